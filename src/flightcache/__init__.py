@@ -1,0 +1,41 @@
+"""flightcache: run an expensive call once across many processes, share the result, cache it.
+
+See ``FlightCache`` for the API and ``docs/`` for the protocol.
+"""
+
+from ._cache import FlightCache
+from ._codec import Codec
+from ._embedded import EmbeddedServer
+from ._errors import (
+    BackendUnavailable,
+    ConfigError,
+    FlightError,
+    FlightTimeout,
+    LeaseLost,
+    RemoteError,
+    SerializationError,
+    ValueTooLarge,
+)
+from ._flight import Tuning
+from ._types import MISSING, UNSET, FlightInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MISSING",
+    "UNSET",
+    "BackendUnavailable",
+    "Codec",
+    "ConfigError",
+    "EmbeddedServer",
+    "FlightCache",
+    "FlightError",
+    "FlightInfo",
+    "FlightTimeout",
+    "LeaseLost",
+    "RemoteError",
+    "SerializationError",
+    "Tuning",
+    "ValueTooLarge",
+    "__version__",
+]

@@ -1,0 +1,314 @@
+"""``FlightCache``: the public face of the library (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect as _inspect
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
+
+from ._codec import Codec, Envelope, make_codec
+from ._embedded import EmbeddedServer
+from ._errors import ConfigError, FlightError
+from ._flight import RedisFlights, Tuning
+from ._keys import FlightKeys, KeySpace, describe
+from ._memory import MemoryFlights
+from ._redis import RedisConnection, safe_url
+from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class _Flights(Protocol):
+    async def lookup(self, fk: FlightKeys) -> bytes | None: ...
+
+    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes: ...
+
+    async def inspect(self, fk: FlightKeys) -> FlightInfo: ...
+
+
+def _retrieve(fut: asyncio.Future[bytes]) -> None:
+    """Mark a shared future's exception as seen: its callers may all have left."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _seconds(name: str, value: Any, *, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > minimum:
+        raise ConfigError(f"{name} must be a number of seconds greater than {minimum:g}: {value!r}")
+    return float(value)
+
+
+class FlightCache:
+    """Runs an expensive async call once per key across every process that shares a server.
+
+    ``url`` picks the backend: ``redis://``, ``rediss://``, ``unix://`` (a Redis/Valkey
+    server), ``memory://`` (this process only) or ``embedded://`` (a private server started
+    from the bundled binary, stopped on close). Durations are in seconds.
+    """
+
+    def __init__(
+        self,
+        url: str = "embedded://",
+        *,
+        namespace: str = "flightcache",
+        ttl: float = 3600.0,
+        lease: float = 3.0,
+        timeout: float = 60.0,
+        error_ttl: float = 1.0,
+        max_value_bytes: int = 8 * 1024 * 1024,
+        codec: str | Codec = "json",
+        socket_timeout: float = 10.0,
+        max_connections: int = 64,
+        tuning: Tuning | None = None,
+    ) -> None:
+        if not isinstance(url, str):
+            raise ConfigError(f"url must be a string, not {type(url).__name__}")
+        self.url = url
+        self.namespace = namespace
+        self.keyspace = KeySpace(namespace)
+        self.ttl = _seconds("ttl", ttl)
+        self.lease = _seconds("lease", lease, minimum=0.05)
+        self.timeout = _seconds("timeout", timeout)
+        if isinstance(error_ttl, bool) or not isinstance(error_ttl, (int, float)) or error_ttl < 0:
+            raise ConfigError(f"error_ttl must be a number of seconds >= 0: {error_ttl!r}")
+        self.error_ttl = float(error_ttl)
+        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or max_value_bytes < 2:
+            raise ConfigError(f"max_value_bytes must be an int >= 2: {max_value_bytes!r}")
+        self.envelope = Envelope(make_codec(codec), max_value_bytes)
+        self.node_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._stats = Stats()
+        self._tuning = tuning or Tuning()
+        self._socket_timeout = _seconds("socket_timeout", socket_timeout)
+        self._max_connections = max_connections
+        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._tasks: set[asyncio.Task[bytes]] = set()
+        self._server: EmbeddedServer | None = None
+        self._conn: RedisConnection | None = None
+        self._flights: _Flights | None = None
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+        if url.startswith("memory://"):
+            self._flights = MemoryFlights(self.envelope, self._stats, ttl_jitter=self._tuning.ttl_jitter)
+        elif url.startswith(REDIS_SCHEMES):
+            self._connect(url)
+        elif not url.startswith("embedded://"):
+            raise ConfigError(
+                f"unsupported URL {safe_url(url)!r}: use redis://, rediss://, unix://, memory:// "
+                "or embedded://"
+            )
+
+    def _connect(self, url: str) -> None:
+        self._conn = RedisConnection(
+            url,
+            stats=self._stats,
+            socket_timeout=self._socket_timeout,
+            max_connections=self._max_connections,
+            client_name=f"flightcache:{self.node_id}".replace(" ", "_"),
+        )
+        self._flights = RedisFlights(
+            self._conn, self.keyspace, self.envelope, self._stats, self.node_id, self._tuning
+        )
+
+    async def _ready(self) -> _Flights:
+        if self._flights is not None and not self._closed:
+            return self._flights
+        if self._closed:
+            raise FlightError("this FlightCache is closed")
+        async with self._start_lock:
+            if self._flights is None:  # embedded://: start the private server once
+                server = EmbeddedServer()
+                await asyncio.to_thread(server.start)
+                self._server = server
+                self._connect(server.url)
+        assert self._flights is not None
+        return self._flights
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters since this cache was made (hits, misses, loader runs, takeovers, ...)."""
+        return self._stats.snapshot()
+
+    @property
+    def server_url(self) -> str | None:
+        """The URL of the private server of an ``embedded://`` cache, once started."""
+        return self._server.url if self._server else None
+
+    def _options(
+        self, key: Any, ttl: float | None, lease: float | None, timeout: float | None
+    ) -> CallOptions:
+        return CallOptions(
+            ttl_ms=int(_seconds("ttl", self.ttl if ttl is None else ttl) * 1000) or 1,
+            lease_ms=int(_seconds("lease", self.lease if lease is None else lease, minimum=0.05) * 1000),
+            timeout_s=_seconds("timeout", self.timeout if timeout is None else timeout),
+            error_ttl_ms=int(self.error_ttl * 1000),
+            key_text=describe(key),
+        )
+
+    async def do(
+        self,
+        key: Any,
+        loader: Loader,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
+
+        ``loader`` runs at most once per flight across all processes sharing the server. A
+        caller that is cancelled stops waiting; the flight goes on for the others.
+        """
+        if not callable(loader):
+            raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
+        fk = self.keyspace.flight(key)
+        opts = self._options(key, ttl, lease, timeout)
+        self._stats.calls += 1
+        flights = self._flights if self._flights is not None and not self._closed else await self._ready()
+        shared = self._inflight.get(fk.digest)
+        if shared is not None:  # local single-flight: this process already asks the server
+            self._stats.coalesced += 1
+            return self.envelope.decode(await asyncio.shield(shared), key=fk.digest)
+        shared = asyncio.get_running_loop().create_future()
+        shared.add_done_callback(_retrieve)
+        self._inflight[fk.digest] = shared
+        # Hit path: one GET in the caller's own task (no task is made, no script runs).
+        try:
+            data = await flights.lookup(fk)
+        except asyncio.CancelledError:
+            self._start_flight(flights, fk, loader, opts, shared)  # others may be waiting
+            raise
+        except BaseException as exc:
+            self._settle(fk.digest, shared, exc)
+            raise
+        if data is not None:
+            self._stats.hits += 1
+            self._settle(fk.digest, shared, data)
+            return self.envelope.decode(data, key=fk.digest)
+        self._start_flight(flights, fk, loader, opts, shared)
+        return self.envelope.decode(await asyncio.shield(shared), key=fk.digest)
+
+    def _start_flight(
+        self,
+        flights: _Flights,
+        fk: FlightKeys,
+        loader: Loader,
+        opts: CallOptions,
+        shared: asyncio.Future[bytes],
+    ) -> None:
+        """Run the flight in a task of its own, so no caller's cancellation can stop it."""
+        task = asyncio.ensure_future(flights.resolve(fk, loader, opts))
+        self._tasks.add(task)
+
+        def finish(t: asyncio.Task[bytes]) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                self._settle(fk.digest, shared, FlightError("the FlightCache was closed", key=fk.digest))
+            elif (exc := t.exception()) is not None:
+                self._settle(fk.digest, shared, exc)
+            else:
+                self._settle(fk.digest, shared, t.result())
+
+        task.add_done_callback(finish)
+
+    def _settle(self, digest: str, shared: asyncio.Future[bytes], outcome: bytes | BaseException) -> None:
+        if self._inflight.get(digest) is shared:
+            del self._inflight[digest]
+        if shared.done():
+            return
+        if isinstance(outcome, BaseException):
+            shared.set_exception(outcome)
+        else:
+            shared.set_result(outcome)
+
+    async def get(self, key: Any) -> Any:
+        """The cached value for ``key``, or ``MISSING``; never runs anything."""
+        fk = self.keyspace.flight(key)
+        data = await (await self._ready()).lookup(fk)
+        if data is None or self.envelope.is_error(data):
+            return MISSING
+        return self.envelope.decode(data, key=fk.digest)
+
+    async def inspect(self, key: Any) -> FlightInfo:
+        """State of ``key``: cached, running (owner, token, lease left, followers) or vacant."""
+        fk = self.keyspace.flight(key)
+        return await (await self._ready()).inspect(fk)
+
+    @overload
+    def flight(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R]]: ...
+
+    @overload
+    def flight(
+        self,
+        fn: None = None,
+        /,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]: ...
+
+    def flight(
+        self,
+        fn: Callable[P, Awaitable[R]] | None = None,
+        /,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Decorator: the key is the function's module and name plus its canonical arguments."""
+
+        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+            if not _inspect.iscoroutinefunction(func):
+                raise ConfigError(f"@flight needs an async function, not {func!r}")
+            signature = _inspect.signature(func)
+            name = f"{func.__module__}.{func.__qualname__}"
+
+            @functools.wraps(func)
+            async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                key = {"fn": name, "args": bound.arguments}
+                result: R = await self.do(
+                    key, lambda: func(*args, **kwargs), ttl=ttl, lease=lease, timeout=timeout
+                )
+                return result
+
+            return wrapper
+
+        return decorate(fn) if fn is not None else decorate
+
+    async def aclose(self) -> None:
+        """Stop every flight of this process (owners give their flights back) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._conn is not None:
+            await self._conn.aclose()
+        if self._server is not None:
+            await asyncio.to_thread(self._server.stop)
+
+    async def __aenter__(self) -> FlightCache:
+        await self._ready()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"FlightCache({safe_url(self.url)!r}, namespace={self.namespace!r})"

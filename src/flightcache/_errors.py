@@ -1,0 +1,67 @@
+"""The exception tree of flightcache.
+
+::
+
+    FlightError                 every error this library raises on purpose
+    ├── LeaseLost               an owner's lease was taken over; its loader was cancelled
+    ├── FlightTimeout           a loader ran past its hard timeout, or a wait passed its bound
+    ├── RemoteError             the loader failed in another process (type name, message)
+    ├── ValueTooLarge           an encoded value is over ``max_value_bytes``; nothing was written
+    ├── SerializationError      the codec cannot encode or decode a value
+    ├── BackendUnavailable      Redis/Valkey cannot be reached (the URL is shown without password)
+    └── ConfigError             bad arguments or settings, or a foreign value at one of our keys
+
+Every error carries ``.key`` (the key's digest, never the raw key) where one applies.
+"""
+
+from __future__ import annotations
+
+
+class FlightError(Exception):
+    """Base class of every error flightcache raises on purpose."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class LeaseLost(FlightError):
+    """An owner found that its lease was taken over; its loader was cancelled."""
+
+    def __init__(self, message: str, *, key: str | None = None, token: int | None = None) -> None:
+        super().__init__(message, key=key)
+        self.token = token
+
+
+class FlightTimeout(FlightError):
+    """A loader ran past its hard timeout, or a caller's wait passed its bound."""
+
+
+class RemoteError(FlightError):
+    """The loader raised in another process; ``type_name`` and ``message`` describe it."""
+
+    def __init__(self, type_name: str, message: str, *, key: str | None = None) -> None:
+        super().__init__(f"{type_name}: {message}", key=key)
+        self.type_name = type_name
+        self.remote_message = message
+
+
+class ValueTooLarge(FlightError):
+    """An encoded value is larger than ``max_value_bytes``; nothing was written."""
+
+    def __init__(self, size: int, limit: int, *, key: str | None = None) -> None:
+        super().__init__(f"encoded value is {size} bytes, over the limit of {limit}", key=key)
+        self.size = size
+        self.limit = limit
+
+
+class SerializationError(FlightError):
+    """The codec cannot encode or decode a value."""
+
+
+class BackendUnavailable(FlightError):
+    """The Redis/Valkey server cannot be reached."""
+
+
+class ConfigError(FlightError):
+    """Bad arguments or settings, or a value at one of our keys that flightcache did not write."""

@@ -1,0 +1,347 @@
+"""The distributed flight protocol over one Redis/Valkey server (DESIGN.md section 4).
+
+One call of :meth:`RedisFlights.resolve` is one process's part in one flight: join (hit,
+follow or vacant), claim with a fresh fencing token, own (loader + heartbeat + fenced write),
+follow (block on the flight's stream), and take over when an owner's lease lapses.
+It returns the stored bytes of the result (a value or an error record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._codec import Envelope
+from ._errors import FlightError, FlightTimeout, SerializationError, ValueTooLarge
+from ._heartbeat import Heartbeat
+from ._keys import FlightKeys, KeySpace
+from ._loader import call_and_encode, wait_bounded
+from ._redis import RedisConnection
+from ._types import CallOptions, FlightInfo, Loader, Stats
+
+log_claim = logging.getLogger("flightcache.claim")
+log_follow = logging.getLogger("flightcache.follow")
+
+HIT, FOLLOW, VACANT = 1, 2, 0
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Protocol constants of one cache; the defaults suit loopback and LAN latencies."""
+
+    inline_max_bytes: int = 64 * 1024  # values up to this size ride inside the done event
+    stream_linger_ms: int = 10_000  # how long the stream outlives its flight
+    stream_maxlen: int = 1000
+    block_margin_ms: int = 50  # a follower blocks for the lease left plus this
+    takeover_step_s: float = 0.03  # delay per place in the waiters queue on takeover
+    takeover_max_rank: int = 16
+    reset_timeout_s: float = 1.0
+    ttl_jitter: float = 0.1  # results live ttl * (1 +/- this), so keys set together expire apart
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    kind: int
+    value: bytes | None = None
+    token: int = 0
+    lease_left_ms: int = 0
+    rank: int = -1
+
+
+def _state(reply: list[object]) -> _State:
+    kind = int(reply[0])  # type: ignore[call-overload]
+    if kind == HIT:
+        return _State(HIT, value=reply[1])  # type: ignore[arg-type]
+    if kind == FOLLOW:
+        return _State(
+            FOLLOW,
+            token=int(reply[1]),  # type: ignore[call-overload]
+            lease_left_ms=max(int(reply[2]), 0),  # type: ignore[call-overload]
+            rank=int(reply[3]),  # type: ignore[call-overload]
+        )
+    return _State(VACANT, rank=int(reply[1]))  # type: ignore[call-overload]
+
+
+class _Lost(Exception):
+    """Internal: this process's ownership ended without a result; go back to join."""
+
+
+class RedisFlights:
+    """The flight protocol of one FlightCache against one Redis connection."""
+
+    def __init__(
+        self,
+        conn: RedisConnection,
+        keyspace: KeySpace,
+        envelope: Envelope,
+        stats: Stats,
+        node_id: str,
+        tuning: Tuning | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conn = conn
+        self.keyspace = keyspace
+        self.envelope = envelope
+        self.stats = stats
+        self.node_id = node_id
+        self.tuning = tuning or Tuning()
+        self.clock = clock
+
+    # -- reads ---------------------------------------------------------------------------
+
+    async def lookup(self, fk: FlightKeys) -> bytes | None:
+        client = self.conn.client
+        data: bytes | None = await self.conn.run(lambda: client.get(fk.result), fk)
+        return data
+
+    async def inspect(self, fk: FlightKeys) -> FlightInfo:
+        def pipeline() -> object:
+            pipe = self.conn.client.pipeline(transaction=False)
+            pipe.hgetall(fk.meta).pttl(fk.meta).llen(fk.waiters).pttl(fk.result).get(fk.result)
+            return pipe.execute()
+
+        meta, lease_left, followers, result_ttl, result = await self.conn.run(pipeline, fk)  # type: ignore[arg-type,misc]
+        m = {k.decode(): v.decode() for k, v in meta.items()}
+        if result is not None:
+            state = "error-cached" if self.envelope.is_error(result) else "cached"
+        else:
+            state = "running" if m else "vacant"
+        return FlightInfo(
+            key=m.get("key"),
+            digest=fk.digest,
+            state=state,
+            owner_node=m.get("ownerNode"),
+            token=int(m["ownerToken"]) if "ownerToken" in m else None,
+            lease_left_ms=lease_left if m else None,
+            attempts=int(m["attempts"]) if "attempts" in m else None,
+            followers=int(followers),
+            result_ttl_ms=result_ttl if result is not None else None,
+        )
+
+    # -- the flight ----------------------------------------------------------------------
+
+    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes:
+        deadline = self.clock() + opts.wait_bound_s
+        state = await self._join(fk, opts)
+        if state.kind == HIT:
+            self.stats.hits += 1
+            assert state.value is not None
+            return state.value
+        self.stats.misses += 1
+        takeover = False
+        while True:
+            if self.clock() >= deadline:
+                raise FlightTimeout(
+                    f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
+                )
+            if state.kind == HIT:
+                assert state.value is not None
+                return state.value
+            if state.kind == FOLLOW:
+                self.stats.follows += 1
+                outcome = await self._follow(fk, state, opts, deadline)
+                if isinstance(outcome, bytes):
+                    return outcome
+                state, takeover = outcome, True
+                continue
+            # Vacant. After an owner's death, wait by place in the queue, then look again,
+            # so the first-joined follower claims and the others find it running.
+            if takeover:
+                rank = state.rank if state.rank >= 0 else self.tuning.takeover_max_rank
+                rank = min(rank, self.tuning.takeover_max_rank)
+                step = self.tuning.takeover_step_s
+                await asyncio.sleep(rank * step + random.uniform(0, step / 2))  # takeover jitter
+                state = await self._join(fk, opts)
+                if state.kind != VACANT:
+                    continue
+            state = await self._claim(fk, opts)
+            if state.kind != VACANT:
+                continue
+            if takeover:
+                self.stats.takeovers += 1
+            try:
+                return await self._own(fk, loader, opts, state.token)
+            except _Lost:
+                state, takeover = await self._join(fk, opts), False
+
+    async def _join(self, fk: FlightKeys, opts: CallOptions) -> _State:
+        reply = await self.conn.script(
+            "join_flight",
+            fk,
+            (fk.result, fk.meta, fk.waiters),
+            (self.node_id, opts.lease_ms + self.tuning.stream_linger_ms),
+        )
+        return _state(reply)
+
+    async def _claim(self, fk: FlightKeys, opts: CallOptions) -> _State:
+        """INCR a token, then CAS-claim; VACANT in the answer means "claimed" (token set)."""
+        client = self.conn.client
+        token = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
+        reply = await self.conn.script(
+            "claim_flight",
+            fk,
+            (fk.result, fk.meta, fk.stream, fk.waiters),
+            (
+                token,
+                self.node_id,
+                opts.lease_ms,
+                int(opts.timeout_s * 1000),
+                opts.lease_ms + self.tuning.stream_linger_ms,
+                opts.key_text,
+                self.tuning.stream_maxlen,
+            ),
+        )
+        if int(reply[0]) == VACANT:
+            log_claim.debug("flight %s: claimed with token %d (attempt %s)", fk.digest, token, reply[1])
+            return _State(VACANT, token=token)
+        return _state(reply)
+
+    # -- owner ---------------------------------------------------------------------------
+
+    async def _own(self, fk: FlightKeys, loader: Loader, opts: CallOptions, token: int) -> bytes:
+        self.stats.loader_runs += 1
+        work = asyncio.ensure_future(call_and_encode(loader, self.envelope, fk.digest))
+        stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
+
+        async def renew() -> bool:
+            reply = await self.conn.script(
+                "renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (token, opts.lease_ms, stream_ttl)
+            )
+            return int(reply) == 1
+
+        heartbeat = Heartbeat(
+            renew, work, lease_s=opts.lease_ms / 1000, digest=fk.digest, clock=self.clock
+        ).start()
+        try:
+            encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
+        except asyncio.CancelledError:
+            await heartbeat.stop()
+            if heartbeat.lost:
+                self.stats.lease_lost += 1
+                raise _Lost() from None
+            await self._give_back(fk, token)  # we are being closed: let a follower claim now
+            raise
+        except FlightTimeout as exc:
+            await heartbeat.stop()
+            self.stats.timeouts += 1
+            await self._publish_error(fk, token, exc, ttl_ms=0)
+            raise
+        except (ValueTooLarge, SerializationError) as exc:
+            await heartbeat.stop()
+            await self._publish_error(fk, token, exc, ttl_ms=0)
+            raise
+        except Exception as exc:
+            await heartbeat.stop()
+            self.stats.loader_errors += 1
+            await self._publish_error(fk, token, exc, ttl_ms=opts.error_ttl_ms)
+            raise
+        await heartbeat.stop()
+        if heartbeat.lost:  # the loader finished as the lease was found lost
+            self.stats.lease_lost += 1
+            raise _Lost()
+        inline = "1" if len(encoded) <= self.tuning.inline_max_bytes else "0"
+        written = await self.conn.script(
+            "complete_flight",
+            fk,
+            (fk.result, fk.meta, fk.stream, fk.waiters),
+            (token, encoded, self._jittered(opts.ttl_ms), inline, self.tuning.stream_linger_ms,
+             self.tuning.stream_maxlen),
+        )
+        if int(written) != 1:
+            self._fenced(fk, token)
+        return encoded
+
+    def _jittered(self, ttl_ms: int) -> int:
+        jitter = self.tuning.ttl_jitter
+        return max(1, int(ttl_ms * (1 + random.uniform(-jitter, jitter))))
+
+    def _fenced(self, fk: FlightKeys, token: int) -> None:
+        self.stats.fenced_writes += 1
+        log_claim.warning("flight %s: write with token %d fenced off; following the new owner",
+                          fk.digest, token)
+        raise _Lost()
+
+    async def _publish_error(self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int) -> None:
+        record = self.envelope.encode_error(exc)
+        written = await self.conn.script(
+            "fail_flight",
+            fk,
+            (fk.result, fk.meta, fk.stream, fk.waiters),
+            (token, "error", record, ttl_ms, self.tuning.stream_linger_ms, self.tuning.stream_maxlen),
+        )
+        if int(written) != 1:
+            self._fenced(fk, token)
+
+    async def _give_back(self, fk: FlightKeys, token: int) -> None:
+        """Best effort on close: release the flight so followers claim without waiting."""
+        try:
+            await asyncio.wait_for(
+                self.conn.script(
+                    "fail_flight",
+                    fk,
+                    (fk.result, fk.meta, fk.stream, fk.waiters),
+                    (token, "reset", "", 0, self.tuning.stream_linger_ms, self.tuning.stream_maxlen),
+                ),
+                self.tuning.reset_timeout_s,
+            )
+        except (FlightError, asyncio.TimeoutError) as exc:
+            log_claim.info("flight %s: could not release on close (%s); lease will lapse", fk.digest, exc)
+
+    # -- follower ------------------------------------------------------------------------
+
+    async def _follow(
+        self, fk: FlightKeys, state: _State, opts: CallOptions, deadline: float
+    ) -> bytes | _State:
+        """Block on the flight's stream until it ends; a _State when the flight fell vacant."""
+        current = state.token
+        lease_left = state.lease_left_ms
+        last_id = b"0-0"
+        client = self.conn.client
+        cap_ms = max(int((self.conn.socket_timeout - 0.5) * 1000), 100)
+        while True:
+            remaining_ms = int((deadline - self.clock()) * 1000)
+            if remaining_ms <= 0:
+                raise FlightTimeout(
+                    f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
+                )
+            block = max(1, min(lease_left + self.tuning.block_margin_ms, cap_ms, remaining_ms))
+            reply = await self.conn.run(
+                lambda: client.xread({fk.stream: last_id}, count=100, block=block), fk
+            )
+            if reply:
+                for entry_id, fields in reply[0][1]:
+                    last_id = entry_id
+                    kind = fields.get(b"t")
+                    tok = int(fields.get(b"tok", 0))
+                    if kind == b"claimed":
+                        if tok > current:
+                            current = tok
+                            log_follow.info("flight %s: new owner, token %d", fk.digest, tok)
+                        continue
+                    if tok != current:
+                        continue  # an event of an older owner or an earlier flight
+                    if kind == b"done":
+                        value = fields.get(b"v")
+                        if value is None:
+                            value = await self.lookup(fk)
+                        if value is not None:
+                            return value
+                        return _State(VACANT)  # result gone already (evicted): claim afresh
+                    if kind == b"error":
+                        return bytes(fields.get(b"v", b""))
+                    if kind == b"reset":
+                        return await self._join(fk, opts)
+                lease_left = opts.lease_ms
+                continue
+            # The block ran out with no event: is the owner still alive?
+            now = await self._join(fk, opts)
+            if now.kind != FOLLOW:
+                return now
+            if now.token != current:
+                current, last_id = max(current, now.token), b"0-0"
+            lease_left = now.lease_left_ms
+

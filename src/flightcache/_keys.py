@@ -1,0 +1,83 @@
+"""Canonical fingerprints of user keys and the names of every Redis key flightcache uses.
+
+All keys of one flight share the hash tag ``{<digest>}`` so that one Lua script can touch
+them on one Redis Cluster node; ``<ns>:owner-seq`` is deliberately untagged (its own slot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ._errors import ConfigError, SerializationError
+
+DIGEST_CHARS = 32
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        raise ConfigError(
+            f"namespace must be 1-64 characters of letters, digits, '_', '.', '-': {namespace!r}"
+        )
+    return namespace
+
+
+def canonical(key: Any) -> bytes:
+    """The canonical bytes of a key: a str stands for itself, anything else is canonical JSON.
+
+    The two forms carry different prefixes, so the string ``"1"`` and the number ``1`` differ.
+    """
+    if isinstance(key, str):
+        return b"s\x00" + key.encode("utf-8", "surrogatepass")
+    try:
+        return b"j\x00" + orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+    except TypeError as exc:
+        raise SerializationError(f"key is not JSON-serialisable: {exc}") from exc
+
+
+def digest(key: Any) -> str:
+    """SHA-256 of the canonical key, hex, truncated to 32 characters (128 bits)."""
+    return hashlib.sha256(canonical(key)).hexdigest()[:DIGEST_CHARS]
+
+
+def describe(key: Any, limit: int = 200) -> str:
+    """A short printable form of the key, stored in meta for ``inspect``."""
+    text = key if isinstance(key, str) else canonical(key)[2:].decode("utf-8", "replace")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class FlightKeys:
+    """The Redis key names of one flight."""
+
+    digest: str
+    meta: str
+    result: str
+    stream: str
+    waiters: str
+
+
+class KeySpace:
+    """Builds every Redis key name of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = check_namespace(namespace)
+        self.owner_seq = f"{namespace}:owner-seq"
+
+    def flight(self, key: Any) -> FlightKeys:
+        return self.for_digest(digest(key))
+
+    def for_digest(self, d: str) -> FlightKeys:
+        ns = self.namespace
+        return FlightKeys(
+            digest=d,
+            meta=f"{ns}:meta:{{{d}}}",
+            result=f"{ns}:result:{{{d}}}",
+            stream=f"{ns}:stream:{{{d}}}",
+            waiters=f"{ns}:waiters:{{{d}}}",
+        )

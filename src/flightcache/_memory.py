@@ -1,0 +1,88 @@
+"""``memory://``: the same semantics for one process, with no server.
+
+Local single-flight happens in FlightCache itself; this backend only runs the owner's loader
+under its timeout and keeps results (and negative-cached errors) in a dict with monotonic
+expiry, encoded exactly as on Redis so size limits and codec errors behave the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+from ._codec import Envelope
+from ._errors import FlightTimeout, SerializationError, ValueTooLarge
+from ._keys import FlightKeys
+from ._loader import call_and_encode, wait_bounded
+from ._types import CallOptions, FlightInfo, Loader, Stats
+
+
+class MemoryFlights:
+    def __init__(
+        self,
+        envelope: Envelope,
+        stats: Stats,
+        *,
+        ttl_jitter: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.envelope = envelope
+        self.stats = stats
+        self.ttl_jitter = ttl_jitter
+        self.clock = clock
+        self._store: dict[str, tuple[float, bytes]] = {}
+        self._running: set[str] = set()
+
+    async def lookup(self, fk: FlightKeys) -> bytes | None:
+        item = self._store.get(fk.digest)
+        if item is None:
+            return None
+        expires, data = item
+        if self.clock() >= expires:
+            del self._store[fk.digest]
+            return None
+        return data
+
+    def _put(self, fk: FlightKeys, data: bytes, ttl_ms: int) -> None:
+        self._store[fk.digest] = (self.clock() + ttl_ms / 1000, data)
+
+    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes:
+        hit = await self.lookup(fk)
+        if hit is not None:
+            self.stats.hits += 1
+            return hit
+        self.stats.misses += 1
+        self.stats.loader_runs += 1
+        self._running.add(fk.digest)
+        work = asyncio.ensure_future(call_and_encode(loader, self.envelope, fk.digest))
+        try:
+            data = await wait_bounded(work, opts.timeout_s, fk.digest)
+        except FlightTimeout:
+            self.stats.timeouts += 1
+            raise
+        except (ValueTooLarge, SerializationError):
+            raise
+        except Exception as exc:
+            self.stats.loader_errors += 1
+            if opts.error_ttl_ms > 0:
+                self._put(fk, self.envelope.encode_error(exc), opts.error_ttl_ms)
+            raise
+        finally:
+            self._running.discard(fk.digest)
+        jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
+        self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
+        return data
+
+    async def inspect(self, fk: FlightKeys) -> FlightInfo:
+        data = await self.lookup(fk)
+        if data is not None:
+            left = int((self._store[fk.digest][0] - self.clock()) * 1000)
+            state = "error-cached" if self.envelope.is_error(data) else "cached"
+            return FlightInfo(key=None, digest=fk.digest, state=state, result_ttl_ms=left)
+        state = "running" if fk.digest in self._running else "vacant"
+        return FlightInfo(key=None, digest=fk.digest, state=state)
+
+    async def aclose(self) -> None:
+        self._store.clear()

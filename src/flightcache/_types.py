@@ -1,0 +1,86 @@
+"""Small shared types: sentinels, per-call options, the ``inspect`` record and counters."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+
+class _Sentinel(enum.Enum):
+    MISSING = "MISSING"
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return f"flightcache.{self.value}"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+MISSING: Final = _Sentinel.MISSING
+"""What ``get`` returns when nothing is cached."""
+
+UNSET: Final = _Sentinel.UNSET
+"""Marks an argument that was not given, where ``None`` means something else."""
+
+Loader = Callable[[], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class CallOptions:
+    """Everything one flight needs to know, resolved from a call and the cache's defaults."""
+
+    ttl_ms: int
+    lease_ms: int
+    timeout_s: float
+    error_ttl_ms: int
+    key_text: str
+
+    @property
+    def wait_bound_s(self) -> float:
+        """How long a caller waits at most: one takeover's worth of lease and loader time."""
+        return 2 * (self.timeout_s + self.lease_ms / 1000) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class FlightInfo:
+    """What ``inspect`` reports about one key."""
+
+    key: str | None
+    digest: str
+    state: str  # "cached", "error-cached", "running" or "vacant"
+    owner_node: str | None = None
+    token: int | None = None
+    lease_left_ms: int | None = None
+    attempts: int | None = None
+    followers: int = 0
+    result_ttl_ms: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters of one FlightCache, cumulative since it was made."""
+
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    follows: int = 0
+    loader_runs: int = 0
+    loader_errors: int = 0
+    timeouts: int = 0
+    takeovers: int = 0
+    lease_lost: int = 0
+    fenced_writes: int = 0
+    commands: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, int]:
+        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        data.update(self.extra)
+        return data
