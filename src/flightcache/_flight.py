@@ -50,6 +50,7 @@ class _State:
     token: int = 0
     lease_left_ms: int = 0
     rank: int = -1
+    last_id: bytes = b"0-0"
 
 
 def _state(reply: list[object]) -> _State:
@@ -62,6 +63,7 @@ def _state(reply: list[object]) -> _State:
             token=int(reply[1]),  # type: ignore[call-overload]
             lease_left_ms=max(int(reply[2]), 0),  # type: ignore[call-overload]
             rank=int(reply[3]),  # type: ignore[call-overload]
+            last_id=reply[4],  # type: ignore[arg-type]
         )
     return _State(VACANT, rank=int(reply[1]))  # type: ignore[call-overload]
 
@@ -172,7 +174,7 @@ class RedisFlights:
         reply = await self.conn.script(
             "join_flight",
             fk,
-            (fk.result, fk.meta, fk.waiters),
+            (fk.result, fk.meta, fk.waiters, fk.stream),
             (self.node_id, opts.lease_ms + self.tuning.stream_linger_ms),
         )
         return _state(reply)
@@ -299,7 +301,7 @@ class RedisFlights:
         """Block on the flight's stream until it ends; a _State when the flight fell vacant."""
         current = state.token
         lease_left = state.lease_left_ms
-        last_id = b"0-0"
+        last_id = state.last_id  # every event that can end this flight comes after it
         client = self.conn.client
         cap_ms = max(int((self.conn.socket_timeout - 0.5) * 1000), 100)
         while True:
@@ -341,7 +343,7 @@ class RedisFlights:
             now = await self._join(fk, opts)
             if now.kind != FOLLOW:
                 return now
-            if now.token != current:
-                current, last_id = max(current, now.token), b"0-0"
+            if now.token > current:
+                current, last_id = now.token, now.last_id
             lease_left = now.lease_left_ms
 

@@ -112,3 +112,4 @@ class RedisConnection:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.client.connection_pool.disconnect()  # a pool we made is ours to close

@@ -4,7 +4,9 @@
 -- ARGV[4] loader timeout ms   ARGV[5] stream TTL ms   ARGV[6] key description
 -- ARGV[7] stream MAXLEN
 -- Returns {1, value}                        a result exists: the claim is a hit
---         {2, token, lease_left_ms, rank}   another owner holds the flight: follow it
+--         {2, token, lease_left_ms, rank, last_id}
+--                                           another owner holds the flight: follow it (as in
+--                                           join_flight)
 --         {0, attempts}                     claimed: the caller is the owner
 local value = redis.call('GET', KEYS[1])
 if value then
@@ -16,7 +18,8 @@ if current then
   if not rank then
     rank = redis.call('RPUSH', KEYS[4], ARGV[2]) - 1
   end
-  return {2, current, redis.call('PTTL', KEYS[2]), rank}
+  local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+  return {2, current, redis.call('PTTL', KEYS[2]), rank, newest[1] and newest[1][1] or '0-0'}
 end
 -- The flight is vacant. If the newest event is a claim, its owner died mid-flight:
 -- this claim is a takeover and counts as one more attempt.

@@ -1,0 +1,198 @@
+"""Multi-process behaviour with real OS processes, real servers, SIGKILL and SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from flightcache import EmbeddedServer, FlightCache
+
+from .helpers.monitor import CommandLog
+from .helpers.procs import Fleet, markers, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def base(server: EmbeddedServer, namespace: str, tmp_path: Path, **kw: Any) -> dict[str, Any]:
+    cfg = {"url": server.url, "namespace": namespace, "key": "the-question", "markers": str(tmp_path)}
+    cfg.update(kw)
+    return cfg
+
+
+def values(reports: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    return [r for rep in reports if rep for r in rep["results"]]
+
+
+def marker_pid(path: Path) -> int:
+    return int(path.name.rsplit("-", 1)[1])
+
+
+def test_stampede_4_processes_x_50_callers_runs_the_loader_once(
+    server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    cfg = base(server, namespace, tmp_path, callers=50, loader_s=0.5,
+               start_at=time.monotonic() + 2.0)
+    with Fleet() as fleet:
+        workers = [fleet.start(f"w{i}", **cfg) for i in range(4)]
+        reports = [w.wait(30) for w in workers]
+    results = values(reports)
+    assert len(results) == 200
+    assert all("pid" in r for r in results), [r for r in results if "pid" not in r][:3]
+    assert len(markers(tmp_path, "start")) == 1
+    assert len({r["pid"] for r in results}) == 1
+    assert sum(rep["stats"]["loader_runs"] for rep in reports if rep) == 1
+
+
+def test_owner_killed_mid_flight_survivors_get_a_value_from_one_takeover(
+    server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    lease, loader_s = 1.0, 1.0
+    cfg = base(server, namespace, tmp_path, callers=10, loader_s=loader_s, lease=lease,
+               start_at=time.monotonic() + 1.5)
+    with Fleet() as fleet:
+        workers = [fleet.start(f"w{i}", **cfg) for i in range(3)]
+        first = wait_for(lambda: markers(tmp_path, "start"), 15, "the first loader to start")
+        time.sleep(0.3)  # mid-flight
+        owner_pid = marker_pid(first[0])
+        killed_at = time.monotonic()
+        os.kill(owner_pid, signal.SIGKILL)
+        reports = [w.wait(30) for w in workers if w.pid != owner_pid]
+    results = values(reports)
+    assert len(results) == 20
+    assert all("pid" in r for r in results), results[:3]
+    assert {r["pid"] for r in results} != {owner_pid}
+    assert len({r["pid"] for r in results}) == 1
+    latest = max(r["t1"] for r in results)
+    assert latest - killed_at <= lease + loader_s + 1.0, latest - killed_at
+    assert len(markers(tmp_path, "start")) == 2
+    assert sum(rep["stats"]["takeovers"] for rep in reports if rep) == 1
+
+
+def test_paused_owner_is_fenced_and_its_callers_get_the_new_owners_value(
+    server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    lease = 1.0
+    cfg = base(server, namespace, tmp_path, callers=5, loader_s=1.5, lease=lease,
+               start_at=time.monotonic() + 1.5)
+    with Fleet() as fleet:
+        workers = [fleet.start(f"w{i}", **cfg) for i in range(2)]
+        first = wait_for(lambda: markers(tmp_path, "start"), 15, "the first loader to start")
+        stale_pid = marker_pid(first[0])
+        time.sleep(0.2)
+        os.kill(stale_pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: len(markers(tmp_path, "start")) == 2, 10, "a takeover")
+            time.sleep(lease)  # paused for well over a lease in all
+        finally:
+            os.kill(stale_pid, signal.SIGCONT)
+        reports = {w.pid: w.wait(30) for w in workers}
+    new_pid = next(pid for pid in reports if pid != stale_pid)
+    stale = reports[stale_pid]
+    assert stale is not None
+    assert [r.get("pid") for r in stale["results"]] == [new_pid] * 5
+    assert [m.name for m in markers(tmp_path, "cancelled")] == [f"cancelled-{stale_pid}"]
+    assert [m.name for m in markers(tmp_path, "end")] == [f"end-{new_pid}"]
+    assert stale["stats"]["lease_lost"] == 1
+    fc_value = asyncio.run(_get(server.url, namespace, "the-question"))
+    assert fc_value["pid"] == new_pid
+
+
+async def _get(url: str, namespace: str, key: str) -> Any:
+    async with FlightCache(url, namespace=namespace) as fc:
+        return await fc.get(key)
+
+
+HANDSHAKE = {"HELLO", "CLIENT"}  # redis-py's connection set-up: HELLO, CLIENT SETNAME/SETINFO
+
+
+def _addresses_of(admin: redis.Redis, node: str) -> set[str]:
+    return {c["addr"] for c in admin.client_list() if node in c.get("name", "")}
+
+
+@pytest.mark.parametrize("wait_s,lease", [(2.0, 3.0), (4.0, 1.0)])
+def test_a_waiting_process_sends_a_bounded_number_of_commands_however_many_callers(
+    private_server: EmbeddedServer, namespace: str, tmp_path: Path, wait_s: float, lease: float
+) -> None:
+    """1 and 1,000 callers in a follower process cost the server the same commands, bounded
+    by one join and one blocked XREAD per lease period; no polling."""
+    admin = redis.Redis.from_url(private_server.url)
+    log = CommandLog(private_server.host, private_server.port)
+    counts = {}
+    for callers in (1, 1000):
+        key = f"q-{callers}"
+        cfg = base(private_server, namespace, tmp_path, key=key, loader_s=wait_s, lease=lease)
+        with Fleet() as fleet:
+            owner = fleet.start("owner", **cfg, callers=1)
+            wait_for(lambda: any(m.name == f"start-{owner.pid}" for m in markers(tmp_path, "start")),
+                     15, "the owner to start its loader")
+            follower = fleet.start("follower", **cfg, callers=callers, hold=True)
+            node = follower.read_report()["node"]  # the process holds its connections open
+            sent = log.sent_by(_addresses_of(admin, node))
+            counts[callers] = sum(n for cmd, n in sent.items() if cmd not in HANDSHAKE)
+            follower.wait(15)
+            owner.wait(15)
+        for m in markers(tmp_path, ""):
+            m.unlink()
+    # A warm-up GET, then GET + join + XREAD, then one join and one XREAD per lease period.
+    periods = wait_s / lease
+    assert counts[1] <= 1 + 3 + 2 * periods, counts
+    assert counts[1000] <= counts[1] + 2, counts
+    log.close()
+    admin.close()
+
+
+def test_sixteen_followers_take_over_with_at_most_three_incr(
+    private_server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    lease = 1.0
+    cfg = base(private_server, namespace, tmp_path, loader_s=2.0, lease=lease, callers=1)
+    admin = redis.Redis.from_url(private_server.url)
+    with Fleet() as fleet:
+        owner = fleet.start("owner", **cfg)
+        wait_for(lambda: markers(tmp_path, "start"), 15, "the owner to start its loader")
+        followers = [fleet.start(f"f{i}", **cfg) for i in range(16)]
+        meta = f"{namespace}:meta:{{{FlightCache('memory://').keyspace.flight('the-question').digest}}}"
+        waiters = meta.replace(":meta:", ":waiters:")
+        wait_for(lambda: admin.llen(waiters) == 16, 30, "16 followers to queue", interval=0.05)
+        before = admin.info("commandstats")
+        owner.kill()
+        reports = [w.wait(30) for w in followers]
+        after = admin.info("commandstats")
+    def incr(stats: dict[str, Any]) -> int:
+        return sum(int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_incr", "cmdstat_incrby"))
+    results = values(reports)
+    assert len(results) == 16 and all("pid" in r for r in results), results[:3]
+    assert len({r["pid"] for r in results}) == 1
+    assert incr(after) - incr(before) <= 3
+    assert len(markers(tmp_path, "start")) == 2
+    admin.close()
+
+
+def test_wall_clock_jumps_in_the_owner_change_nothing(
+    server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    """time.time() jumps an hour forward and back every 100 ms in the owner; leases, renewals,
+    TTLs and the follower's wait do not notice."""
+    lease = 0.6
+    cfg = base(server, namespace, tmp_path, loader_s=2.0, lease=lease, callers=3, ttl=60)
+    with Fleet() as fleet:
+        owner = fleet.start("owner", **cfg, clock_jump=True)
+        wait_for(lambda: markers(tmp_path, "start"), 15, "the owner to start its loader")
+        follower = fleet.start("follower", **cfg)
+        reports = [owner.wait(30), follower.wait(30)]
+    results = values(reports)
+    assert len(results) == 6 and {r.get("pid") for r in results} == {owner.pid}
+    assert len(markers(tmp_path, "start")) == 1
+    assert reports[0]["stats"]["lease_lost"] == 0
+    client = redis.Redis.from_url(server.url)
+    digest = FlightCache("memory://").keyspace.flight("the-question").digest
+    ttl_ms = client.pttl(f"{namespace}:result:{{{digest}}}")
+    client.close()
+    assert 50_000 <= ttl_ms <= 66_000
