@@ -7,8 +7,8 @@ the same suite against Redis instead of Valkey.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis

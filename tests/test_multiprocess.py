@@ -21,7 +21,12 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def base(server: EmbeddedServer, namespace: str, tmp_path: Path, **kw: Any) -> dict[str, Any]:
-    cfg = {"url": server.url, "namespace": namespace, "key": "the-question", "markers": str(tmp_path)}
+    cfg = {
+        "url": server.url,
+        "namespace": namespace,
+        "key": "the-question",
+        "markers": str(tmp_path),
+    }
     cfg.update(kw)
     return cfg
 
@@ -37,8 +42,9 @@ def marker_pid(path: Path) -> int:
 def test_stampede_4_processes_x_50_callers_runs_the_loader_once(
     server: EmbeddedServer, namespace: str, tmp_path: Path
 ) -> None:
-    cfg = base(server, namespace, tmp_path, callers=50, loader_s=0.5,
-               start_at=time.monotonic() + 2.0)
+    cfg = base(
+        server, namespace, tmp_path, callers=50, loader_s=0.5, start_at=time.monotonic() + 2.0
+    )
     with Fleet() as fleet:
         workers = [fleet.start(f"w{i}", **cfg) for i in range(4)]
         reports = [w.wait(30) for w in workers]
@@ -54,8 +60,15 @@ def test_owner_killed_mid_flight_survivors_get_a_value_from_one_takeover(
     server: EmbeddedServer, namespace: str, tmp_path: Path
 ) -> None:
     lease, loader_s = 1.0, 1.0
-    cfg = base(server, namespace, tmp_path, callers=10, loader_s=loader_s, lease=lease,
-               start_at=time.monotonic() + 1.5)
+    cfg = base(
+        server,
+        namespace,
+        tmp_path,
+        callers=10,
+        loader_s=loader_s,
+        lease=lease,
+        start_at=time.monotonic() + 1.5,
+    )
     with Fleet() as fleet:
         workers = [fleet.start(f"w{i}", **cfg) for i in range(3)]
         first = wait_for(lambda: markers(tmp_path, "start"), 15, "the first loader to start")
@@ -79,8 +92,15 @@ def test_paused_owner_is_fenced_and_its_callers_get_the_new_owners_value(
     server: EmbeddedServer, namespace: str, tmp_path: Path
 ) -> None:
     lease = 1.0
-    cfg = base(server, namespace, tmp_path, callers=5, loader_s=1.5, lease=lease,
-               start_at=time.monotonic() + 1.5)
+    cfg = base(
+        server,
+        namespace,
+        tmp_path,
+        callers=5,
+        loader_s=1.5,
+        lease=lease,
+        start_at=time.monotonic() + 1.5,
+    )
     with Fleet() as fleet:
         workers = [fleet.start(f"w{i}", **cfg) for i in range(2)]
         first = wait_for(lambda: markers(tmp_path, "start"), 15, "the first loader to start")
@@ -130,8 +150,12 @@ def test_a_waiting_process_sends_a_bounded_number_of_commands_however_many_calle
         cfg = base(private_server, namespace, tmp_path, key=key, loader_s=wait_s, lease=lease)
         with Fleet() as fleet:
             owner = fleet.start("owner", **cfg, callers=1)
-            wait_for(lambda: any(m.name == f"start-{owner.pid}" for m in markers(tmp_path, "start")),
-                     15, "the owner to start its loader")
+            started = tmp_path / f"start-{owner.pid}"
+            wait_for(
+                started.exists,
+                15,
+                "the owner to start its loader",
+            )
             follower = fleet.start("follower", **cfg, callers=callers, hold=True)
             node = follower.read_report()["node"]  # the process holds its connections open
             sent = log.sent_by(_addresses_of(admin, node))
@@ -165,8 +189,12 @@ def test_sixteen_followers_take_over_with_at_most_three_incr(
         owner.kill()
         reports = [w.wait(30) for w in followers]
         after = admin.info("commandstats")
+
     def incr(stats: dict[str, Any]) -> int:
-        return sum(int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_incr", "cmdstat_incrby"))
+        return sum(
+            int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_incr", "cmdstat_incrby")
+        )
+
     results = values(reports)
     assert len(results) == 16 and all("pid" in r for r in results), results[:3]
     assert len({r["pid"] for r in results}) == 1

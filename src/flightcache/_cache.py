@@ -80,7 +80,11 @@ class FlightCache:
         if isinstance(error_ttl, bool) or not isinstance(error_ttl, (int, float)) or error_ttl < 0:
             raise ConfigError(f"error_ttl must be a number of seconds >= 0: {error_ttl!r}")
         self.error_ttl = float(error_ttl)
-        if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) or max_value_bytes < 2:
+        if (
+            isinstance(max_value_bytes, bool)
+            or not isinstance(max_value_bytes, int)
+            or max_value_bytes < 2
+        ):
             raise ConfigError(f"max_value_bytes must be an int >= 2: {max_value_bytes!r}")
         self.envelope = Envelope(make_codec(codec), max_value_bytes)
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -96,7 +100,9 @@ class FlightCache:
         self._closed = False
         self._start_lock = asyncio.Lock()
         if url.startswith("memory://"):
-            self._flights = MemoryFlights(self.envelope, self._stats, ttl_jitter=self._tuning.ttl_jitter)
+            self._flights = MemoryFlights(
+                self.envelope, self._stats, ttl_jitter=self._tuning.ttl_jitter
+            )
         elif url.startswith(REDIS_SCHEMES):
             self._connect(url)
         elif not url.startswith("embedded://"):
@@ -148,7 +154,9 @@ class FlightCache:
     ) -> CallOptions:
         return CallOptions(
             ttl_ms=int(_seconds("ttl", self.ttl if ttl is None else ttl) * 1000) or 1,
-            lease_ms=int(_seconds("lease", self.lease if lease is None else lease, minimum=0.05) * 1000),
+            lease_ms=int(
+                _seconds("lease", self.lease if lease is None else lease, minimum=0.05) * 1000
+            ),
             timeout_s=_seconds("timeout", self.timeout if timeout is None else timeout),
             error_ttl_ms=int(self.error_ttl * 1000),
             key_text=describe(key),
@@ -173,7 +181,9 @@ class FlightCache:
         fk = self.keyspace.flight(key)
         opts = self._options(key, ttl, lease, timeout)
         self._stats.calls += 1
-        flights = self._flights if self._flights is not None and not self._closed else await self._ready()
+        flights = (
+            self._flights if self._flights is not None and not self._closed else await self._ready()
+        )
         shared = self._inflight.get(fk.digest)
         if shared is not None:  # local single-flight: this process already asks the server
             self._stats.coalesced += 1
@@ -212,7 +222,9 @@ class FlightCache:
         def finish(t: asyncio.Task[bytes]) -> None:
             self._tasks.discard(t)
             if t.cancelled():
-                self._settle(fk.digest, shared, FlightError("the FlightCache was closed", key=fk.digest))
+                self._settle(
+                    fk.digest, shared, FlightError("the FlightCache was closed", key=fk.digest)
+                )
             elif (exc := t.exception()) is not None:
                 self._settle(fk.digest, shared, exc)
             else:
@@ -220,7 +232,9 @@ class FlightCache:
 
         task.add_done_callback(finish)
 
-    def _settle(self, digest: str, shared: asyncio.Future[bytes], outcome: bytes | BaseException) -> None:
+    def _settle(
+        self, digest: str, shared: asyncio.Future[bytes], outcome: bytes | BaseException
+    ) -> None:
         if self._inflight.get(digest) is shared:
             del self._inflight[digest]
         if shared.done():

@@ -9,11 +9,13 @@ It returns the stored bytes of the result (a value or an error record).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from ._codec import Envelope
 from ._errors import FlightError, FlightTimeout, SerializationError, ValueTooLarge
@@ -97,16 +99,16 @@ class RedisFlights:
 
     async def lookup(self, fk: FlightKeys) -> bytes | None:
         client = self.conn.client
-        data: bytes | None = await self.conn.run(lambda: client.get(fk.result), fk)
-        return data
+        data: Any = await self.conn.run(lambda: client.get(fk.result), fk)
+        return cast("bytes | None", data)
 
     async def inspect(self, fk: FlightKeys) -> FlightInfo:
-        def pipeline() -> object:
-            pipe = self.conn.client.pipeline(transaction=False)
+        async def pipeline() -> list[Any]:
+            pipe: Any = self.conn.client.pipeline(transaction=False)
             pipe.hgetall(fk.meta).pttl(fk.meta).llen(fk.waiters).pttl(fk.result).get(fk.result)
-            return pipe.execute()
+            return list(await pipe.execute())
 
-        meta, lease_left, followers, result_ttl, result = await self.conn.run(pipeline, fk)  # type: ignore[arg-type,misc]
+        meta, lease_left, followers, result_ttl, result = await self.conn.run(pipeline, fk)
         m = {k.decode(): v.decode() for k, v in meta.items()}
         if result is not None:
             state = "error-cached" if self.envelope.is_error(result) else "cached"
@@ -198,7 +200,9 @@ class RedisFlights:
             ),
         )
         if int(reply[0]) == VACANT:
-            log_claim.debug("flight %s: claimed with token %d (attempt %s)", fk.digest, token, reply[1])
+            log_claim.debug(
+                "flight %s: claimed with token %d (attempt %s)", fk.digest, token, reply[1]
+            )
             return _State(VACANT, token=token)
         return _state(reply)
 
@@ -211,7 +215,10 @@ class RedisFlights:
 
         async def renew() -> bool:
             reply = await self.conn.script(
-                "renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (token, opts.lease_ms, stream_ttl)
+                "renew_lease",
+                fk,
+                (fk.meta, fk.stream, fk.waiters),
+                (token, opts.lease_ms, stream_ttl),
             )
             return int(reply) == 1
 
@@ -250,8 +257,14 @@ class RedisFlights:
             "complete_flight",
             fk,
             (fk.result, fk.meta, fk.stream, fk.waiters),
-            (token, encoded, self._jittered(opts.ttl_ms), inline, self.tuning.stream_linger_ms,
-             self.tuning.stream_maxlen),
+            (
+                token,
+                encoded,
+                self._jittered(opts.ttl_ms),
+                inline,
+                self.tuning.stream_linger_ms,
+                self.tuning.stream_maxlen,
+            ),
         )
         if int(written) != 1:
             self._fenced(fk, token)
@@ -263,17 +276,27 @@ class RedisFlights:
 
     def _fenced(self, fk: FlightKeys, token: int) -> None:
         self.stats.fenced_writes += 1
-        log_claim.warning("flight %s: write with token %d fenced off; following the new owner",
-                          fk.digest, token)
+        log_claim.warning(
+            "flight %s: write with token %d fenced off; following the new owner", fk.digest, token
+        )
         raise _Lost()
 
-    async def _publish_error(self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int) -> None:
+    async def _publish_error(
+        self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int
+    ) -> None:
         record = self.envelope.encode_error(exc)
         written = await self.conn.script(
             "fail_flight",
             fk,
             (fk.result, fk.meta, fk.stream, fk.waiters),
-            (token, "error", record, ttl_ms, self.tuning.stream_linger_ms, self.tuning.stream_maxlen),
+            (
+                token,
+                "error",
+                record,
+                ttl_ms,
+                self.tuning.stream_linger_ms,
+                self.tuning.stream_maxlen,
+            ),
         )
         if int(written) != 1:
             self._fenced(fk, token)
@@ -286,12 +309,21 @@ class RedisFlights:
                     "fail_flight",
                     fk,
                     (fk.result, fk.meta, fk.stream, fk.waiters),
-                    (token, "reset", "", 0, self.tuning.stream_linger_ms, self.tuning.stream_maxlen),
+                    (
+                        token,
+                        "reset",
+                        "",
+                        0,
+                        self.tuning.stream_linger_ms,
+                        self.tuning.stream_maxlen,
+                    ),
                 ),
                 self.tuning.reset_timeout_s,
             )
         except (FlightError, asyncio.TimeoutError) as exc:
-            log_claim.info("flight %s: could not release on close (%s); lease will lapse", fk.digest, exc)
+            log_claim.info(
+                "flight %s: could not release on close (%s); lease will lapse", fk.digest, exc
+            )
 
     # -- follower ------------------------------------------------------------------------
 
@@ -311,8 +343,8 @@ class RedisFlights:
                     f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
                 )
             block = max(1, min(lease_left + self.tuning.block_margin_ms, cap_ms, remaining_ms))
-            reply = await self.conn.run(
-                lambda: client.xread({fk.stream: last_id}, count=100, block=block), fk
+            reply: Any = await self.conn.run(
+                functools.partial(client.xread, {fk.stream: last_id}, count=100, block=block), fk
             )
             if reply:
                 for entry_id, fields in reply[0][1]:
@@ -331,7 +363,7 @@ class RedisFlights:
                         if value is None:
                             value = await self.lookup(fk)
                         if value is not None:
-                            return value
+                            return bytes(value)
                         return _State(VACANT)  # result gone already (evicted): claim afresh
                     if kind == b"error":
                         return bytes(fields.get(b"v", b""))
@@ -346,4 +378,3 @@ class RedisFlights:
             if now.token > current:
                 current, last_id = now.token, now.last_id
             lease_left = now.lease_left_ms
-

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ._errors import BackendUnavailable
 
@@ -23,7 +24,7 @@ class Heartbeat:
     def __init__(
         self,
         renew: Callable[[], Awaitable[bool]],
-        work: asyncio.Future[object],
+        work: asyncio.Future[Any],
         *,
         lease_s: float,
         digest: str,

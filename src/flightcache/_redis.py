@@ -91,15 +91,22 @@ class RedisConnection:
                 raise await self._wrong_type(fk) from exc
             raise FlightError(f"Redis at {self.safe_url} refused a command: {exc}") from exc
 
-    async def script(self, name: str, fk: FlightKeys, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def script(
+        self, name: str, fk: FlightKeys, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
         script = self.scripts[name]
         return await self.run(lambda: script(keys=list(keys), args=list(args)), fk)
 
     async def _wrong_type(self, fk: FlightKeys) -> ConfigError:
-        expected = {fk.result: b"string", fk.meta: b"hash", fk.stream: b"stream", fk.waiters: b"list"}
+        expected = {
+            fk.result: b"string",
+            fk.meta: b"hash",
+            fk.stream: b"stream",
+            fk.waiters: b"list",
+        }
         for name, want in expected.items():
             try:
-                got = await self.client.type(name)
+                got: Any = await self.client.type(name)
             except rexc.RedisError:
                 continue
             if got not in (want, b"none"):
@@ -108,7 +115,9 @@ class RedisConnection:
                     "(another application may share this namespace)",
                     key=fk.digest,
                 )
-        return ConfigError(f"a key of flight {fk.digest} holds a value of the wrong type", key=fk.digest)
+        return ConfigError(
+            f"a key of flight {fk.digest} holds a value of the wrong type", key=fk.digest
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()

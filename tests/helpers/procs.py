@@ -34,11 +34,15 @@ class Worker:
     def wait(self, timeout: float) -> dict[str, Any] | None:
         """The worker's JSON report (None if it died); kills it if it overruns ``timeout``."""
         try:
-            out, err = self.proc.communicate(input="", timeout=timeout)  # closes stdin: releases a holder
-        except subprocess.TimeoutExpired:
+            out, err = self.proc.communicate(
+                input="", timeout=timeout
+            )  # closes stdin: releases a holder
+        except subprocess.TimeoutExpired as exc:
             self.proc.kill()
             out, err = self.proc.communicate()
-            raise AssertionError(f"worker {self.name} overran {timeout} s; stderr:\n{err[-3000:]}")
+            raise AssertionError(
+                f"worker {self.name} overran {timeout} s; stderr:\n{err[-3000:]}"
+            ) from exc
         self.stderr = err
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         if lines:

@@ -1,0 +1,259 @@
+"""Bad input and faults: a clear error, nothing half-written, no hung caller, no secret shown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from flightcache import (
+    MISSING,
+    BackendUnavailable,
+    ConfigError,
+    FlightCache,
+    FlightTimeout,
+    RemoteError,
+    SerializationError,
+    ValueTooLarge,
+)
+from flightcache._embedded import free_port
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_a_loader_error_reaches_every_caller_in_every_process(make_cache: Any) -> None:
+    owner, other = make_cache(), make_cache()
+    gate = asyncio.Event()
+    runs: list[int] = []
+
+    async def failing() -> str:
+        runs.append(1)
+        await gate.wait()
+        raise Boom("the model is down")
+
+    local = [asyncio.ensure_future(owner.do("q", failing)) for _ in range(3)]
+    await asyncio.sleep(0.1)
+    remote = asyncio.ensure_future(other.do("q", failing))
+    await asyncio.sleep(0.1)
+    gate.set()
+    for task in local:
+        with pytest.raises(Boom, match="the model is down"):
+            await task
+    with pytest.raises(RemoteError) as info:
+        await remote
+    assert info.value.type_name == "Boom"
+    assert info.value.remote_message == "the model is down"
+    assert len(runs) == 1
+
+
+async def test_errors_are_negative_cached_for_error_ttl_only(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url, error_ttl=0.3)
+    runs: list[int] = []
+
+    async def failing() -> str:
+        runs.append(1)
+        raise Boom("no")
+
+    with pytest.raises(Boom):
+        await fc.do("q", failing)
+    with pytest.raises(RemoteError, match="Boom: no"):
+        await fc.do("q", failing)  # served from the negative cache
+    assert len(runs) == 1
+    assert await fc.get("q") is MISSING
+    await asyncio.sleep(0.4)
+    with pytest.raises(Boom):
+        await fc.do("q", failing)
+    assert len(runs) == 2
+
+
+async def test_a_value_over_the_limit_is_refused_and_nothing_is_written(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url, max_value_bytes=1000)
+
+    async def big() -> str:
+        return "x" * 5000
+
+    with pytest.raises(ValueTooLarge) as info:
+        await fc.do("q", big)
+    assert info.value.size > 5000 and info.value.limit == 1000
+    assert await fc.get("q") is MISSING
+    assert (await fc.inspect("q")).state == "vacant"
+
+    async def small() -> str:
+        return "ok"
+
+    assert await fc.do("q", small) == "ok"  # the next call claims at once
+
+
+async def test_followers_of_a_too_large_value_get_an_error_not_a_hang(make_cache: Any) -> None:
+    owner, other = make_cache(max_value_bytes=1000), make_cache(max_value_bytes=1000)
+    gate = asyncio.Event()
+
+    async def big() -> str:
+        await gate.wait()
+        return "x" * 5000
+
+    task = asyncio.ensure_future(owner.do("q", big))
+    await asyncio.sleep(0.1)
+    remote = asyncio.ensure_future(other.do("q", big))
+    await asyncio.sleep(0.1)
+    gate.set()
+    with pytest.raises(ValueTooLarge):
+        await task
+    with pytest.raises(RemoteError, match="ValueTooLarge"):
+        await asyncio.wait_for(remote, 5)
+
+
+async def test_a_value_the_codec_cannot_encode_is_a_serialization_error(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+
+    async def odd() -> object:
+        return object()
+
+    with pytest.raises(SerializationError, match="cannot encode a object"):
+        await fc.do("q", odd)
+    assert await fc.get("q") is MISSING
+
+
+async def test_a_key_that_is_not_json_is_refused_before_any_io(make_cache: Any) -> None:
+    fc = make_cache("redis://127.0.0.1:1/0")  # unreachable: proves nothing was sent
+
+    async def loader() -> str:
+        return "v"
+
+    with pytest.raises(SerializationError, match="key is not JSON-serialisable"):
+        await fc.do({"x": object()}, loader)
+
+
+async def test_an_unreachable_server_is_backend_unavailable_without_the_password(
+    make_cache: Any,
+) -> None:
+    port = free_port()
+    fc = make_cache(f"redis://alice:s3cret-pw@127.0.0.1:{port}/0")
+
+    async def loader() -> str:
+        return "v"
+
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailable) as info:
+        await fc.do("q", loader)
+    assert time.monotonic() - t0 < 10
+    text = str(info.value)
+    assert f"127.0.0.1:{port}" in text
+    assert "s3cret" not in text and "s3cret" not in repr(fc)
+    with pytest.raises(BackendUnavailable):
+        await fc.get("q")
+
+
+async def test_a_foreign_value_at_one_of_our_keys_names_the_key(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    fc = make_cache()
+    result_key = fc.keyspace.flight("q").result
+    await redis_client.rpush(result_key, "not ours")
+
+    async def loader() -> str:
+        return "v"
+
+    with pytest.raises(ConfigError, match="holds a list") as info:
+        await fc.do("q", loader)
+    assert result_key in str(info.value)
+
+
+async def test_pickle_is_never_read_unless_asked_for(make_cache: Any) -> None:
+    pickler = make_cache(codec="pickle")
+    reader = make_cache()  # json, the default
+
+    async def loader() -> set[int]:
+        return {1, 2}
+
+    assert await pickler.do("q", loader) == {1, 2}
+    with pytest.raises(SerializationError, match="different codecs"):
+        await reader.get("q")
+
+
+async def test_a_hanging_loader_times_out_for_every_caller_and_frees_the_key(
+    make_cache: Any,
+) -> None:
+    owner, other = make_cache(timeout=0.5), make_cache(timeout=0.5)
+
+    async def hang() -> str:
+        await asyncio.sleep(3600)
+        return "never"
+
+    local = asyncio.ensure_future(owner.do("q", hang))
+    await asyncio.sleep(0.1)
+    remote = asyncio.ensure_future(other.do("q", hang))
+    with pytest.raises(FlightTimeout):
+        await asyncio.wait_for(local, 5)
+    with pytest.raises(FlightTimeout):
+        await asyncio.wait_for(remote, 5)
+    assert owner.stats["timeouts"] == 1
+
+    async def quick() -> str:
+        return "fresh"
+
+    t0 = time.monotonic()
+    assert await other.do("q", quick) == "fresh"
+    assert time.monotonic() - t0 < 0.5  # claimed at once: the timeout was not negative-cached
+
+
+async def test_a_loader_that_ignores_cancellation_is_abandoned_at_its_timeout(
+    make_cache: Any,
+) -> None:
+    fc = make_cache("memory://", timeout=0.2)
+
+    async def stubborn() -> str:
+        for _ in range(30):
+            try:
+                await asyncio.sleep(0.1)
+            except asyncio.CancelledError:
+                pass
+        return "late"
+
+    t0 = time.monotonic()
+    with pytest.raises(FlightTimeout):
+        await fc.do("q", stubborn)
+    assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"ttl": -1}, "ttl"),
+        ({"lease": 0}, "lease"),
+        ({"timeout": "soon"}, "timeout"),
+        ({"namespace": "a{b}"}, "namespace"),
+        ({"namespace": ""}, "namespace"),
+        ({"error_ttl": -1}, "error_ttl"),
+        ({"max_value_bytes": 0}, "max_value_bytes"),
+        ({"codec": "yaml"}, "codec"),
+    ],
+)
+def test_bad_settings_are_config_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FlightCache("memory://", **kwargs)
+
+
+def test_unknown_url_schemes_are_config_errors_without_the_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        FlightCache("http://bob:hunter2@example.invalid/")
+    assert "hunter2" not in str(info.value)
+
+
+async def test_bad_call_arguments_are_config_errors(make_cache: Any) -> None:
+    fc = make_cache("memory://")
+    with pytest.raises(ConfigError, match="loader"):
+        await fc.do("q", "not callable")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ttl"):
+        await fc.do("q", lambda: None, ttl=0)  # type: ignore[arg-type,return-value]
