@@ -147,39 +147,40 @@ def test_a_waiting_process_sends_a_bounded_number_of_commands_however_many_calle
     counts = {}
     for callers in (1, 1000):
         key = f"q-{callers}"
-        cfg = base(private_server, namespace, tmp_path, key=key, loader_s=wait_s, lease=lease)
+        gate = tmp_path / f"gate-{callers}"
+        cfg = base(private_server, namespace, tmp_path, key=key, loader_s=0.0, lease=lease,
+                   gate=str(gate))
+        waiters = f"{namespace}:waiters:{{{FlightCache('memory://').keyspace.flight(key).digest}}}"
         with Fleet() as fleet:
             owner = fleet.start("owner", **cfg, callers=1)
-            started = tmp_path / f"start-{owner.pid}"
-            wait_for(
-                started.exists,
-                15,
-                "the owner to start its loader",
-            )
+            wait_for((tmp_path / f"start-{owner.pid}").exists, 15, "the owner to start its loader")
             follower = fleet.start("follower", **cfg, callers=callers, hold=True)
-            node = follower.read_report()["node"]  # the process holds its connections open
-            sent = log.sent_by(_addresses_of(admin, node))
+            wait_for(lambda: admin.llen(waiters) == 1, 15, "the follower to queue")  # noqa: B023
+            time.sleep(wait_s)  # the follower waits this long on a live owner
+            gate.touch()
+            report = follower.read_report()  # the process holds its connections open
+            assert report["stats"]["follows"] == 1
+            assert {r.get("pid") for r in report["results"]} == {owner.pid}
+            sent = log.sent_by(_addresses_of(admin, report["node"]))
             counts[callers] = sum(n for cmd, n in sent.items() if cmd not in HANDSHAKE)
             follower.wait(15)
             owner.wait(15)
-        for m in markers(tmp_path, ""):
-            m.unlink()
+    log.close()
+    admin.close()
     # A warm-up GET, then GET + join + XREAD, then one join and one XREAD per lease period.
     periods = wait_s / lease
     assert counts[1] <= 1 + 3 + 2 * periods, counts
     assert counts[1000] <= counts[1] + 2, counts
-    log.close()
-    admin.close()
 
 
 def test_sixteen_followers_take_over_with_at_most_three_incr(
     private_server: EmbeddedServer, namespace: str, tmp_path: Path
 ) -> None:
     lease = 1.0
-    cfg = base(private_server, namespace, tmp_path, loader_s=2.0, lease=lease, callers=1)
+    cfg = base(private_server, namespace, tmp_path, loader_s=1.0, lease=lease, callers=1)
     admin = redis.Redis.from_url(private_server.url)
     with Fleet() as fleet:
-        owner = fleet.start("owner", **cfg)
+        owner = fleet.start("owner", **{**cfg, "loader_s": 60.0})  # runs until it is killed
         wait_for(lambda: markers(tmp_path, "start"), 15, "the owner to start its loader")
         followers = [fleet.start(f"f{i}", **cfg) for i in range(16)]
         meta = f"{namespace}:meta:{{{FlightCache('memory://').keyspace.flight('the-question').digest}}}"

@@ -195,10 +195,17 @@ async def _ready(worker: Worker) -> None:
     try:
         record = await asyncio.wait_for(_read_event(worker, "ready"), READY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        record = None
-    if record is None:
-        why = worker.stderr_tail() or f"not ready within {READY_TIMEOUT_S:g} s"
-        raise FlightError(f"demo worker pid {worker.pid} did not start: {why}")
+        why = f"not ready within {READY_TIMEOUT_S:g} s"
+    else:
+        if record is not None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(worker.proc.wait(), EXIT_TIMEOUT_S)
+        why = f"exited with status {worker.proc.returncode}"
+    tail = worker.stderr_tail()
+    raise FlightError(
+        f"demo worker pid {worker.pid} did not start: {why}" + (f": {tail}" if tail else "")
+    )
 
 
 async def _go(worker: Worker) -> None:
@@ -268,13 +275,13 @@ async def _watch(
 
 async def _run(config: DemoConfig) -> Outcome:
     out = Outcome(config)
+    server = EmbeddedServer()  # finds the binary first: nothing to clean up if it is missing
     tmp = Path(tempfile.mkdtemp(prefix="flightcache-demo-"))
     markers = tmp / "markers"
-    markers.mkdir()
-    server = EmbeddedServer()
     fc: FlightCache | None = None
     start = time.monotonic()
     try:
+        markers.mkdir()
         await asyncio.to_thread(server.start)
         out.server, out.server_pid = server.url, server.pid
         out.workers = list(

@@ -2,7 +2,8 @@
 
 argv[1] is a JSON config: url, namespace, key, callers, loader_s, lease, timeout, markers
 (a directory), start_at (a time.monotonic() instant, shared by all processes on Linux),
-hold (keep running after the report until stdin closes), clock_jump (patch time.time).
+hold (keep running after the report until stdin closes), clock_jump (patch time.time),
+gate (a file path: the loader, after loader_s, waits up to 60 s for it to exist).
 The loader drops marker files ``start-<pid>``, ``end-<pid>``, ``cancelled-<pid>``.
 Prints one JSON line: per-caller results, stats, node id.
 """
@@ -34,6 +35,11 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
             steps = max(1, int(cfg["loader_s"] / 0.05))
             for _ in range(steps):
                 await asyncio.sleep(cfg["loader_s"] / steps)
+            gate = cfg.get("gate")  # a file the test creates to let the loader finish
+            for _ in range(1200):
+                if not gate or os.path.exists(gate):  # noqa: ASYNC240 (a test double)
+                    break
+                await asyncio.sleep(0.05)
         except asyncio.CancelledError:
             touch(marks, "cancelled")
             raise
