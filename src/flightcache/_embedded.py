@@ -101,7 +101,9 @@ class EmbeddedServer:
             if self._wait_ready(timeout):
                 return self
             self._kill()
-        raise BackendUnavailable(f"could not start {self.binary} on {self.host}")
+        log = self.log_tail(5)
+        self.stop()  # removes the temporary directory
+        raise BackendUnavailable(f"could not start {self.binary} on {self.host}: {log}")
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
