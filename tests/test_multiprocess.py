@@ -148,8 +148,9 @@ def test_a_waiting_process_sends_a_bounded_number_of_commands_however_many_calle
     for callers in (1, 1000):
         key = f"q-{callers}"
         gate = tmp_path / f"gate-{callers}"
-        cfg = base(private_server, namespace, tmp_path, key=key, loader_s=0.0, lease=lease,
-                   gate=str(gate))
+        cfg = base(
+            private_server, namespace, tmp_path, key=key, loader_s=0.0, lease=lease, gate=str(gate)
+        )
         waiters = f"{namespace}:waiters:{{{FlightCache('memory://').keyspace.flight(key).digest}}}"
         with Fleet() as fleet:
             owner = fleet.start("owner", **cfg, callers=1)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from flightcache import BackendUnavailable, FlightCache
+from flightcache import BackendUnavailable
 from flightcache._heartbeat import Heartbeat
 
 
@@ -39,10 +39,14 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     assert await redis_client.xlen(fk.stream) == 0
     failed = await conn.script("fail_flight", fk, keys, (6, "error", b"e{}", 1000, 1000, 100))
     assert failed == 0
-    renewed = await conn.script("renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000))
+    renewed = await conn.script(
+        "renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
+    )
     assert renewed == 0
     assert await redis_client.pttl(fk.meta) == -1  # untouched: no expiry was set
-    current = await conn.script("complete_flight", fk, keys, (7, b"jcurrent", 60_000, "1", 1000, 100))
+    current = await conn.script(
+        "complete_flight", fk, keys, (7, b"jcurrent", 60_000, "1", 1000, 100)
+    )
     assert current == 1
     assert await redis_client.get(fk.result) == b"jcurrent"
     assert not await redis_client.exists(fk.meta)
@@ -55,19 +59,19 @@ async def test_an_owner_whose_token_was_replaced_is_fenced_and_follows(
     the result is not written; the owner follows, and when that flight lapses, claims again."""
     fc = make_cache(lease=3.0)
     fk = fc.keyspace.flight("q")
-    gate = asyncio.Event()
+    gate, started = asyncio.Event(), asyncio.Event()
     runs: list[int] = []
 
     async def loader() -> str:
         runs.append(1)
+        started.set()
         if len(runs) == 1:
             await gate.wait()
             return "stale"
         return "fresh"
 
     task = asyncio.ensure_future(fc.do("q", loader))
-    while not runs:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(started.wait(), 5)
     await redis_client.hset(fk.meta, "ownerToken", "999999999")  # another owner took over...
     await redis_client.pexpire(fk.meta, 400)  # ...and then died
     gate.set()
@@ -114,15 +118,18 @@ async def test_heartbeat_keeps_renewing_while_the_work_runs_and_stops_with_it() 
     assert len(renewals) == count  # nothing after the work ended
 
 
-async def test_lease_lost_cancels_the_loader_at_once(make_cache: Any, redis_client: aioredis.Redis) -> None:
+async def test_lease_lost_cancels_the_loader_at_once(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
     """A renewal that finds another token cancels the running loader (the suicide rule)."""
     fc = make_cache(lease=0.3)
     fk = fc.keyspace.flight("q")
-    cancelled = asyncio.Event()
+    cancelled, started = asyncio.Event(), asyncio.Event()
     runs: list[int] = []
 
     async def loader() -> str:
         runs.append(1)
+        started.set()
         if len(runs) > 1:
             return "second"
         try:
@@ -133,8 +140,7 @@ async def test_lease_lost_cancels_the_loader_at_once(make_cache: Any, redis_clie
         return "first"
 
     task = asyncio.ensure_future(fc.do("q", loader))
-    while not runs:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(started.wait(), 5)
     await redis_client.hset(fk.meta, "ownerToken", "999999999")
     await redis_client.pexpire(fk.meta, 300)
     await asyncio.wait_for(cancelled.wait(), 2)
