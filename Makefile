@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-redis bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The same suite against another server binary (Debian's redis-server by default).
+REDIS_SERVER ?= $(shell command -v redis-server)
+test-redis: $(STAMP)
+	FLIGHTCACHE_SERVER_BIN=$(REDIS_SERVER) $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

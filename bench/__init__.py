@@ -1,0 +1,1 @@
+"""Benchmarks of flightcache: ``python -m bench`` (see bench/README.md)."""

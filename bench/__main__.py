@@ -1,0 +1,156 @@
+"""``python -m bench``: stampede and hit-path figures against a private embedded server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from flightcache import EmbeddedServer
+
+from . import _hitpath, _report, _stampede
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer rounds and ops (< 20 s)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+    p.add_argument("--processes", type=int, default=4, help="stampede worker processes")
+    p.add_argument("--callers", type=int, default=50, help="concurrent callers per process")
+    p.add_argument("--rounds", type=int, help="stampede rounds (default 5, 2 with --quick)")
+    p.add_argument("--skip-stampede", action="store_true")
+    p.add_argument("--skip-hit", action="store_true")
+    args = p.parse_args(argv)
+    if args.processes < 2 or args.callers < 1:
+        p.error("need at least 2 processes and 1 caller per process")
+    if args.rounds is not None and not 1 <= args.rounds <= 100:
+        p.error("--rounds must be between 1 and 100")
+    return args
+
+
+def _source() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    return f"git {head}" + (" + uncommitted changes in src/" if dirty else "")
+
+
+async def _server_version(url: str) -> str:
+    client = aioredis.Redis.from_url(url)
+    try:
+        info = await client.info("server")
+    finally:
+        await client.aclose()
+    if "valkey_version" in info:
+        return f"Valkey {info['valkey_version']}"
+    return f"Redis {info.get('redis_version', '?')}"
+
+
+def _clean(obj: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so every finally block runs: workers killed, server stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    if args.quick:
+        stampede_rounds, hit = 2, {"rounds": 2, "ops": 5_000, "seconds": 0.4}
+    else:
+        stampede_rounds, hit = 5, {"rounds": 3, "ops": 20_000, "seconds": 1.2}
+    started = time.monotonic()
+    server = EmbeddedServer()
+    stampede: dict[str, Any] | None = None
+    hitpath: dict[str, Any] | None = None
+    try:
+        server.start()
+        env = {
+            "server": asyncio.run(_server_version(server.url)),
+            "server_url": server.url,
+            "python": platform.python_version(),
+            "redis_py": redis.__version__,
+            "cpus": os.cpu_count(),
+            "source": _source(),
+            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        }
+        _report.print_header(env)
+        if not args.skip_stampede:
+            stampede = asyncio.run(
+                _stampede.run(
+                    server.url,
+                    processes=args.processes,
+                    callers=args.callers,
+                    rounds=args.rounds or stampede_rounds,
+                )
+            )
+            _report.print_stampede(stampede)
+        if not args.skip_hit:
+            hitpath = asyncio.run(_hitpath.run(server.url, **hit))
+            _report.print_hitpath(hitpath)
+    finally:
+        server.stop()
+    rows = _report.targets(stampede, hitpath)
+    _report.print_targets(rows)
+    elapsed = time.monotonic() - started
+    print(f"\n(run took {elapsed:.1f} s)")
+    if args.json:
+        doc = {
+            "env": env,
+            "quick": args.quick,
+            "elapsed_s": elapsed,
+            "stampede": stampede,
+            "hit_path": hitpath,
+            "targets": rows,
+        }
+        Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")
+        print(f"figures written to {args.json}")
+    broken = stampede is not None and (
+        any(r != 1 for r in stampede["loader_runs_per_round"]) or stampede["errors"]
+    )
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted: workers killed, server stopped", file=sys.stderr)
+        sys.exit(130)

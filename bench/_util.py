@@ -1,0 +1,52 @@
+"""Small helpers shared by the bench phases: percentiles and the server's command counters."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+# Commands the bench's own control connection sends; never counted as the library's.
+CONTROL_COMMANDS = frozenset({"info", "echo", "client|list", "monitor"})
+# Commands a client sends when it opens a connection, not per call.
+SETUP_COMMANDS = frozenset({"hello", "client|setinfo", "client|setname", "auth", "select"})
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else math.nan,
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def command_calls(info: dict[str, Any]) -> dict[str, int]:
+    """``INFO commandstats`` as {command: calls}, e.g. {"evalsha": 12, "client|setinfo": 2}."""
+    out: dict[str, int] = {}
+    for name, stats in info.items():
+        if name.startswith("cmdstat_") and isinstance(stats, dict):
+            out[name[len("cmdstat_") :]] = int(stats.get("calls", 0))
+    return out
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    names = set(before) | set(after)
+    out = {n: after.get(n, 0) - before.get(n, 0) for n in names}
+    return {n: v for n, v in sorted(out.items()) if v}

@@ -1,0 +1,36 @@
+"""The examples in examples/ run as documented and print what they promise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flightcache import EmbeddedServer
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(name: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "server-url"])
+def test_quickstart(server: EmbeddedServer, embedded: bool) -> None:
+    out = run("quickstart.py", *([] if embedded else [server.url]))
+    assert "100 answers, 1 distinct, loader runs: 1" in out
+    assert "cached: Relativity" in out
+
+
+def test_decorator(server: EmbeddedServer) -> None:
+    out = run("decorator.py", server.url)
+    assert "[5.0, 5.0] [5.0, 5.0] 1 loader run(s)" in out
