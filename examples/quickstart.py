@@ -19,7 +19,8 @@ async def main(url: str) -> None:
             await asyncio.sleep(0.5)
             return "Relativity: the laws of physics are the same for every observer."
 
-        request = {"model": "demo", "messages": [{"role": "user", "content": "What is relativity?"}]}
+        question = {"role": "user", "content": "What is relativity?"}
+        request = {"model": "demo", "messages": [question]}
         answers = await asyncio.gather(*(fc.do(request, ask_model, ttl=600) for _ in range(100)))
         print(f"{len(answers)} answers, {len(set(answers))} distinct, loader runs: {runs}")
         print("cached:", await fc.get(request))
