@@ -162,6 +162,10 @@ async def test_inspect_reports_a_running_flight_then_the_cached_result(make_cach
         return "v"
 
     task = asyncio.ensure_future(owner.do({"q": 1}, slow))
+    for _ in range(100):
+        if (await other.inspect({"q": 1})).state == "running":
+            break
+        await asyncio.sleep(0.01)
     follower = asyncio.ensure_future(other.do({"q": 1}, slow))
     for _ in range(100):
         info = await other.inspect({"q": 1})

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from typing import Any
 
@@ -257,3 +260,45 @@ async def test_bad_call_arguments_are_config_errors(make_cache: Any) -> None:
         await fc.do("q", "not callable")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="ttl"):
         await fc.do("q", lambda: None, ttl=0)  # type: ignore[arg-type,return-value]
+
+
+async def test_a_frozen_server_fails_calls_within_the_socket_timeout(
+    private_server: Any, namespace: str
+) -> None:
+    """SIGSTOP the server: a hit, a miss and a follower each fail with BackendUnavailable
+    after about socket_timeout, never hang."""
+    fc = FlightCache(private_server.url, namespace=namespace, socket_timeout=1.0)
+    other = FlightCache(private_server.url, namespace=namespace, socket_timeout=1.0)
+    gate = asyncio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return "v"
+
+    try:
+        assert await fc.do("cached", slow_ok) == "ok"
+        owner = asyncio.ensure_future(fc.do("q", slow))
+        await asyncio.sleep(0.1)
+        follower = asyncio.ensure_future(other.do("q", slow))
+        await asyncio.sleep(0.1)
+        os.kill(private_server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                await asyncio.wait_for(fc.get("cached"), 10)
+            assert 0.9 <= time.monotonic() - t0 <= 3.0
+            with pytest.raises(BackendUnavailable):
+                await asyncio.wait_for(follower, 10)
+            assert time.monotonic() - t0 <= 5.0
+        finally:
+            os.kill(private_server.pid, signal.SIGCONT)
+        gate.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(owner, 10)
+    finally:
+        await fc.aclose()
+        await other.aclose()
+
+
+async def slow_ok() -> str:
+    return "ok"

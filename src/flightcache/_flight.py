@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from ._types import CallOptions, FlightInfo, Loader, Stats
 log_claim = logging.getLogger("flightcache.claim")
 log_follow = logging.getLogger("flightcache.follow")
 
-HIT, FOLLOW, VACANT = 1, 2, 0
+HIT, FOLLOW, CLAIMED, VACANT = 1, 2, 3, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +54,13 @@ class _State:
     lease_left_ms: int = 0
     rank: int = -1
     last_id: bytes = b"0-0"
+    claim_id: str = ""
 
 
-def _state(reply: list[object]) -> _State:
+def _state(reply: list[object], claim_id: str) -> _State:
     kind = int(reply[0])  # type: ignore[call-overload]
+    if kind == CLAIMED:
+        return _State(CLAIMED, claim_id=claim_id)
     if kind == HIT:
         return _State(HIT, value=reply[1])  # type: ignore[arg-type]
     if kind == FOLLOW:
@@ -130,7 +134,7 @@ class RedisFlights:
 
     async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes:
         deadline = self.clock() + opts.wait_bound_s
-        state = await self._join(fk, opts)
+        state = await self._join(fk, opts, "always")
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
@@ -152,59 +156,66 @@ class RedisFlights:
                     return outcome
                 state, takeover = outcome, True
                 continue
-            # Vacant. After an owner's death, wait by place in the queue, then look again,
-            # so the first-joined follower claims and the others find it running.
-            if takeover:
+            if state.kind == VACANT:
+                # The owner died and this caller is not first in the queue: give the ones
+                # ahead of it their turn, then join again (and claim if still vacant).
                 rank = state.rank if state.rank >= 0 else self.tuning.takeover_max_rank
-                rank = min(rank, self.tuning.takeover_max_rank)
                 step = self.tuning.takeover_step_s
-                await asyncio.sleep(rank * step + random.uniform(0, step / 2))  # takeover jitter
-                state = await self._join(fk, opts)
-                if state.kind != VACANT:
-                    continue
-            state = await self._claim(fk, opts)
-            if state.kind != VACANT:
+                delay = min(rank, self.tuning.takeover_max_rank) * step
+                await asyncio.sleep(delay + random.uniform(0, step / 2))  # takeover jitter
+                state = await self._join(fk, opts, "always")
+                continue
+            token = await self._confirm(fk, opts, state.claim_id)
+            if token is None:  # the claim lapsed before its token arrived
+                state = await self._join(fk, opts, "always")
                 continue
             if takeover:
                 self.stats.takeovers += 1
             try:
-                return await self._own(fk, loader, opts, state.token)
+                return await self._own(fk, loader, opts, token)
             except _Lost:
-                state, takeover = await self._join(fk, opts), False
+                state, takeover = await self._join(fk, opts, "always"), False
 
-    async def _join(self, fk: FlightKeys, opts: CallOptions) -> _State:
+    async def _join(self, fk: FlightKeys, opts: CallOptions, claim: str) -> _State:
+        """Hit, follow, or claim (mode 'always', or 'first' in the waiters queue)."""
+        claim_id = secrets.token_hex(8)
         reply = await self.conn.script(
             "join_flight",
             fk,
             (fk.result, fk.meta, fk.waiters, fk.stream),
-            (self.node_id, opts.lease_ms + self.tuning.stream_linger_ms),
+            (
+                self.node_id,
+                opts.lease_ms + self.tuning.stream_linger_ms,
+                claim,
+                claim_id,
+                opts.lease_ms,
+                int(opts.timeout_s * 1000),
+                opts.key_text,
+            ),
         )
-        return _state(reply)
+        return _state(reply, claim_id)
 
-    async def _claim(self, fk: FlightKeys, opts: CallOptions) -> _State:
-        """INCR a token, then CAS-claim; VACANT in the answer means "claimed" (token set)."""
+    async def _confirm(self, fk: FlightKeys, opts: CallOptions, claim_id: str) -> int | None:
+        """Take a fencing token (INCR owner-seq) and confirm the claim with it."""
         client = self.conn.client
         token = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
-        reply = await self.conn.script(
-            "claim_flight",
+        confirmed = await self.conn.script(
+            "confirm_claim",
             fk,
-            (fk.result, fk.meta, fk.stream, fk.waiters),
+            (fk.meta, fk.stream, fk.waiters),
             (
+                claim_id,
                 token,
                 self.node_id,
                 opts.lease_ms,
-                int(opts.timeout_s * 1000),
                 opts.lease_ms + self.tuning.stream_linger_ms,
-                opts.key_text,
                 self.tuning.stream_maxlen,
             ),
         )
-        if int(reply[0]) == VACANT:
-            log_claim.debug(
-                "flight %s: claimed with token %d (attempt %s)", fk.digest, token, reply[1]
-            )
-            return _State(VACANT, token=token)
-        return _state(reply)
+        if int(confirmed) != 1:
+            return None
+        log_claim.debug("flight %s: owner with token %d", fk.digest, token)
+        return token
 
     # -- owner ---------------------------------------------------------------------------
 
@@ -334,7 +345,7 @@ class RedisFlights:
         current = state.token
         lease_left = state.lease_left_ms
         last_id = state.last_id  # every event that can end this flight comes after it
-        client = self.conn.client
+        client = self.conn.blocking
         cap_ms = max(int((self.conn.socket_timeout - 0.5) * 1000), 100)
         while True:
             remaining_ms = int((deadline - self.clock()) * 1000)
@@ -364,15 +375,15 @@ class RedisFlights:
                             value = await self.lookup(fk)
                         if value is not None:
                             return bytes(value)
-                        return _State(VACANT)  # result gone already (evicted): claim afresh
+                        return await self._join(fk, opts, "always")  # result gone already
                     if kind == b"error":
                         return bytes(fields.get(b"v", b""))
                     if kind == b"reset":
-                        return await self._join(fk, opts)
+                        return await self._join(fk, opts, "first")
                 lease_left = opts.lease_ms
                 continue
             # The block ran out with no event: is the owner still alive?
-            now = await self._join(fk, opts)
+            now = await self._join(fk, opts, "first")
             if now.kind != FOLLOW:
                 return now
             if now.token > current:

@@ -1,21 +1,26 @@
--- join_flight: one round trip that says what a caller of a flight should do.
+-- join_flight: one round trip that says what a caller of a flight should do, and claims the
+-- flight for the caller when it is vacant (pending confirm_claim with a fencing token).
 -- KEYS[1] result   KEYS[2] meta   KEYS[3] waiters   KEYS[4] stream
--- ARGV[1] node id of the caller   ARGV[2] waiters TTL in ms
+-- ARGV[1] node id of the caller   ARGV[2] waiters TTL ms
+-- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
+--         the waiters queue (after an owner's death, so the first-joined goes first)
+-- ARGV[4] claim id (random, one per call)   ARGV[5] lease ms   ARGV[6] loader timeout ms
+-- ARGV[7] key description (for inspect)
 -- Returns {1, value}                        hit: the stored value (or error record)
 --         {2, token, lease_left_ms, rank, last_id}
---                                           follow: a flight is RUNNING; the caller is now
---                                           registered in waiters at 0-based position `rank`;
---                                           every event of this owner's end comes after
---                                           `last_id`, the stream's newest entry now
---         {0, rank}                         vacant: no result, no live owner; rank is the
---                                           caller's position in waiters, or -1
+--                                           follow: a flight is live; token is '0' while its
+--                                           owner has not confirmed yet; the caller is now in
+--                                           waiters at 0-based position `rank`; every event
+--                                           that can end this flight comes after `last_id`
+--         {3, attempts}                     claimed: meta is CLAIMING under the claim id
+--         {0, rank}                         vacant and not claimed: not first in the queue
 local value = redis.call('GET', KEYS[1])
 if value then
   return {1, value}
 end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
-local token = redis.call('HGET', KEYS[2], 'ownerToken')
-if token then
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local token = redis.call('HGET', KEYS[2], 'ownerToken') or '0'
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
   end
@@ -23,4 +28,26 @@ if token then
   local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
   return {2, token, redis.call('PTTL', KEYS[2]), rank, last[1] and last[1][1] or '0-0'}
 end
-return {0, rank or -1}
+if ARGV[3] == 'first' and rank ~= 0 then
+  return {0, rank or -1}
+end
+-- Vacant: claim it. If the newest event is a claim, its owner died mid-flight: this claim
+-- is a takeover and counts as one more attempt.
+local attempts = 1
+local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
+if newest[1] then
+  local f = newest[1][2]
+  local fields = {}
+  for i = 1, #f, 2 do fields[f[i]] = f[i + 1] end
+  if fields['t'] == 'claimed' then
+    attempts = (tonumber(fields['a']) or 1) + 1
+  end
+end
+local now = redis.call('TIME')
+local started = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('HSET', KEYS[2], 'status', 'CLAIMING', 'claimId', ARGV[4], 'ownerNode', ARGV[1],
+  'leaseMs', ARGV[5], 'timeoutMs', ARGV[6], 'startedAt', started, 'attempts', attempts,
+  'key', ARGV[7])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('LREM', KEYS[3], 0, ARGV[1])
+return {3, attempts}
