@@ -186,7 +186,8 @@ async def _round(
             in_lua[name] += 1
         else:  # the markers bound the slice, so every client command here is a worker's
             top[name] += 1
-            by_pid[owners.get(port, 0)] += 1  # pid 0: a connection closed before CLIENT LIST
+            if name not in CONNECTION_SETUP:  # a process's protocol commands, not handshakes
+                by_pid[owners.get(port, 0)] += 1  # pid 0: a connection closed before CLIENT LIST
 
     loader_runs = sum(len(r["loader_ends"]) for r in replies)
     errors = [c[4] for r in replies for c in r["callers"] if c[4] is not None]
@@ -227,6 +228,9 @@ async def _round(
         "server_in_lua": dict(sorted(in_lua.items())),
         "server_commandstats": server_all,
     }
+
+
+CONNECTION_SETUP = {"hello", "client|setinfo", "client|setname"}
 
 
 async def run(

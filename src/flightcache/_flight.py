@@ -191,6 +191,8 @@ class RedisFlights:
                 opts.lease_ms,
                 int(opts.timeout_s * 1000),
                 opts.key_text,
+                opts.lease_ms + self.tuning.stream_linger_ms,
+                self.tuning.stream_maxlen,
             ),
         )
         return _state(reply, claim_id)
@@ -200,17 +202,7 @@ class RedisFlights:
         client = self.conn.client
         token = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
         confirmed = await self.conn.script(
-            "confirm_claim",
-            fk,
-            (fk.meta, fk.stream, fk.waiters),
-            (
-                claim_id,
-                token,
-                self.node_id,
-                opts.lease_ms,
-                opts.lease_ms + self.tuning.stream_linger_ms,
-                self.tuning.stream_maxlen,
-            ),
+            "confirm_claim", fk, (fk.meta,), (claim_id, token, opts.lease_ms)
         )
         if int(confirmed) != 1:
             return None
@@ -341,8 +333,13 @@ class RedisFlights:
     async def _follow(
         self, fk: FlightKeys, state: _State, opts: CallOptions, deadline: float
     ) -> bytes | _State:
-        """Block on the flight's stream until it ends; a _State when the flight fell vacant."""
-        current = state.token
+        """Block on the flight's stream until it ends; a _State when the flight fell vacant.
+
+        Reading starts at the position the join saw, so every event read is about this
+        flight: only writes under the then-current token reach the stream (the scripts are
+        fenced). The token check below is a second line of defence, not the first.
+        """
+        newest = state.token  # 0 while the owner has not confirmed its claim
         lease_left = state.lease_left_ms
         last_id = state.last_id  # every event that can end this flight comes after it
         client = self.conn.blocking
@@ -361,14 +358,13 @@ class RedisFlights:
                 for entry_id, fields in reply[0][1]:
                     last_id = entry_id
                     kind = fields.get(b"t")
-                    tok = int(fields.get(b"tok", 0))
                     if kind == b"claimed":
-                        if tok > current:
-                            current = tok
-                            log_follow.info("flight %s: new owner, token %d", fk.digest, tok)
+                        log_follow.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
                         continue
-                    if tok != current:
-                        continue  # an event of an older owner or an earlier flight
+                    tok = int(fields.get(b"tok", 0))
+                    if tok < newest:
+                        continue  # an older owner's event: cannot happen past our position
+                    newest = tok
                     if kind == b"done":
                         value = fields.get(b"v")
                         if value is None:
@@ -386,6 +382,5 @@ class RedisFlights:
             now = await self._join(fk, opts, "first")
             if now.kind != FOLLOW:
                 return now
-            if now.token > current:
-                current, last_id = now.token, now.last_id
+            newest, last_id = max(newest, now.token), now.last_id
             lease_left = now.lease_left_ms

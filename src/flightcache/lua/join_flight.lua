@@ -5,14 +5,15 @@
 -- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
 --         the waiters queue (after an owner's death, so the first-joined goes first)
 -- ARGV[4] claim id (random, one per call)   ARGV[5] lease ms   ARGV[6] loader timeout ms
--- ARGV[7] key description (for inspect)
+-- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms   ARGV[9] stream MAXLEN
 -- Returns {1, value}                        hit: the stored value (or error record)
 --         {2, token, lease_left_ms, rank, last_id}
 --                                           follow: a flight is live; token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
 --                                           waiters at 0-based position `rank`; every event
 --                                           that can end this flight comes after `last_id`
---         {3, attempts}                     claimed: meta is CLAIMING under the claim id
+--         {3, attempts}                     claimed: meta is CLAIMING under the claim id, and
+--                                           a `claimed` event is on the stream
 --         {0, rank}                         vacant and not claimed: not first in the queue
 local value = redis.call('GET', KEYS[1])
 if value then
@@ -49,5 +50,8 @@ redis.call('HSET', KEYS[2], 'status', 'CLAIMING', 'claimId', ARGV[4], 'ownerNode
   'leaseMs', ARGV[5], 'timeoutMs', ARGV[6], 'startedAt', started, 'attempts', attempts,
   'key', ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*',
+  't', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4])
+redis.call('PEXPIRE', KEYS[4], ARGV[8])
 redis.call('LREM', KEYS[3], 0, ARGV[1])
 return {3, attempts}
