@@ -49,6 +49,9 @@ async def test_do_caches_the_value_and_get_returns_it(backend_url: str, make_cac
     assert await fc.do("q", loader) == {"answer": 42}
     assert await fc.get("q") == {"answer": 42}
     assert len(runs) == 1
+    stats = fc.stats
+    assert (stats["calls"], stats["hits"], stats["misses"], stats["loader_runs"]) == (2, 1, 1, 1)
+    assert (stats["gets"], stats["get_hits"]) == (2, 1)
 
 
 async def test_concurrent_callers_in_one_process_share_one_run(

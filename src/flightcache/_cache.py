@@ -15,7 +15,7 @@ from ._codec import Codec, Envelope, make_codec
 from ._embedded import EmbeddedServer
 from ._errors import ConfigError, FlightError
 from ._flight import RedisFlights, Tuning
-from ._keys import FlightKeys, KeySpace, describe
+from ._keys import FlightKeys, KeySpace, canonical, describe_canonical, digest_of
 from ._memory import MemoryFlights
 from ._redis import RedisConnection, safe_url
 from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
@@ -38,6 +38,34 @@ def _retrieve(fut: asyncio.Future[bytes]) -> None:
     """Mark a shared future's exception as seen: its callers may all have left."""
     if not fut.cancelled():
         fut.exception()
+
+
+class _Slot:
+    """One key's entry in the local single-flight table.
+
+    The future the other local callers wait on is made only when a second caller arrives,
+    so an uncontended hit costs no future and no scheduled callback.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[bytes] | None = None
+
+    def wait(self) -> asyncio.Future[bytes]:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            self._future.add_done_callback(_retrieve)
+        return self._future
+
+    def settle(self, outcome: bytes | BaseException) -> None:
+        fut = self._future
+        if fut is None or fut.done():
+            return  # nobody waits: every caller holding this slot called wait() at once
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
 
 
 def _seconds(name: str, value: Any, *, minimum: float = 0.0) -> float:
@@ -92,7 +120,7 @@ class FlightCache:
         self._tuning = tuning or Tuning()
         self._socket_timeout = _seconds("socket_timeout", socket_timeout)
         self._max_connections = max_connections
-        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._inflight: dict[str, _Slot] = {}
         self._tasks: set[asyncio.Task[bytes]] = set()
         self._server: EmbeddedServer | None = None
         self._conn: RedisConnection | None = None
@@ -149,17 +177,23 @@ class FlightCache:
         """The URL of the private server of an ``embedded://`` cache, once started."""
         return self._server.url if self._server else None
 
+    def _check_call(self, ttl: float | None, lease: float | None, timeout: float | None) -> None:
+        if ttl is not None:
+            _seconds("ttl", ttl)
+        if lease is not None:
+            _seconds("lease", lease, minimum=0.05)
+        if timeout is not None:
+            _seconds("timeout", timeout)
+
     def _options(
-        self, key: Any, ttl: float | None, lease: float | None, timeout: float | None
+        self, canon: bytes, ttl: float | None, lease: float | None, timeout: float | None
     ) -> CallOptions:
         return CallOptions(
-            ttl_ms=int(_seconds("ttl", self.ttl if ttl is None else ttl) * 1000) or 1,
-            lease_ms=int(
-                _seconds("lease", self.lease if lease is None else lease, minimum=0.05) * 1000
-            ),
-            timeout_s=_seconds("timeout", self.timeout if timeout is None else timeout),
+            ttl_ms=int((self.ttl if ttl is None else ttl) * 1000) or 1,
+            lease_ms=int((self.lease if lease is None else lease) * 1000),
+            timeout_s=float(self.timeout if timeout is None else timeout),
             error_ttl_ms=int(self.error_ttl * 1000),
-            key_text=describe(key),
+            key_text=describe_canonical(canon),
         )
 
     async def do(
@@ -178,42 +212,39 @@ class FlightCache:
         """
         if not callable(loader):
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
-        fk = self.keyspace.flight(key)
-        opts = self._options(key, ttl, lease, timeout)
+        if ttl is not None or lease is not None or timeout is not None:
+            self._check_call(ttl, lease, timeout)
+        canon = canonical(key)
+        fk = self.keyspace.for_digest(digest_of(canon))
         self._stats.calls += 1
         flights = (
             self._flights if self._flights is not None and not self._closed else await self._ready()
         )
-        shared = self._inflight.get(fk.digest)
-        if shared is not None:  # local single-flight: this process already asks the server
+        slot = self._inflight.get(fk.digest)
+        if slot is not None:  # local single-flight: this process already asks the server
             self._stats.coalesced += 1
-            return self.envelope.decode(await asyncio.shield(shared), key=fk.digest)
-        shared = asyncio.get_running_loop().create_future()
-        shared.add_done_callback(_retrieve)
-        self._inflight[fk.digest] = shared
-        # Hit path: one GET in the caller's own task (no task is made, no script runs).
+            return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
+        slot = _Slot()
+        self._inflight[fk.digest] = slot
+        # Hit path: one GET in the caller's own task (no task, no future, no script).
         try:
             data = await flights.lookup(fk)
         except asyncio.CancelledError:
-            self._start_flight(flights, fk, loader, opts, shared)  # others may be waiting
+            opts = self._options(canon, ttl, lease, timeout)
+            self._start_flight(flights, fk, loader, opts, slot)  # others may be waiting
             raise
         except BaseException as exc:
-            self._settle(fk.digest, shared, exc)
+            self._settle(fk.digest, slot, exc)
             raise
         if data is not None:
             self._stats.hits += 1
-            self._settle(fk.digest, shared, data)
+            self._settle(fk.digest, slot, data)
             return self.envelope.decode(data, key=fk.digest)
-        self._start_flight(flights, fk, loader, opts, shared)
-        return self.envelope.decode(await asyncio.shield(shared), key=fk.digest)
+        self._start_flight(flights, fk, loader, self._options(canon, ttl, lease, timeout), slot)
+        return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
 
     def _start_flight(
-        self,
-        flights: _Flights,
-        fk: FlightKeys,
-        loader: Loader,
-        opts: CallOptions,
-        shared: asyncio.Future[bytes],
+        self, flights: _Flights, fk: FlightKeys, loader: Loader, opts: CallOptions, slot: _Slot
     ) -> None:
         """Run the flight in a task of its own, so no caller's cancellation can stop it."""
         task = asyncio.ensure_future(flights.resolve(fk, loader, opts))
@@ -222,34 +253,31 @@ class FlightCache:
         def finish(t: asyncio.Task[bytes]) -> None:
             self._tasks.discard(t)
             if t.cancelled():
-                self._settle(
-                    fk.digest, shared, FlightError("the FlightCache was closed", key=fk.digest)
-                )
+                closed = FlightError("the FlightCache was closed", key=fk.digest)
+                self._settle(fk.digest, slot, closed)
             elif (exc := t.exception()) is not None:
-                self._settle(fk.digest, shared, exc)
+                self._settle(fk.digest, slot, exc)
             else:
-                self._settle(fk.digest, shared, t.result())
+                self._settle(fk.digest, slot, t.result())
 
         task.add_done_callback(finish)
 
-    def _settle(
-        self, digest: str, shared: asyncio.Future[bytes], outcome: bytes | BaseException
-    ) -> None:
-        if self._inflight.get(digest) is shared:
+    def _settle(self, digest: str, slot: _Slot, outcome: bytes | BaseException) -> None:
+        if self._inflight.get(digest) is slot:
             del self._inflight[digest]
-        if shared.done():
-            return
-        if isinstance(outcome, BaseException):
-            shared.set_exception(outcome)
-        else:
-            shared.set_result(outcome)
+        slot.settle(outcome)
 
     async def get(self, key: Any) -> Any:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""
         fk = self.keyspace.flight(key)
-        data = await (await self._ready()).lookup(fk)
+        self._stats.gets += 1
+        flights = (
+            self._flights if self._flights is not None and not self._closed else await self._ready()
+        )
+        data = await flights.lookup(fk)
         if data is None or self.envelope.is_error(data):
             return MISSING
+        self._stats.get_hits += 1
         return self.envelope.decode(data, key=fk.digest)
 
     async def inspect(self, key: Any) -> FlightInfo:

@@ -40,14 +40,18 @@ def canonical(key: Any) -> bytes:
         raise SerializationError(f"key is not JSON-serialisable: {exc}") from exc
 
 
+def digest_of(canon: bytes) -> str:
+    """SHA-256 of a canonical key, hex, truncated to 32 characters (128 bits)."""
+    return hashlib.sha256(canon).hexdigest()[:DIGEST_CHARS]
+
+
 def digest(key: Any) -> str:
-    """SHA-256 of the canonical key, hex, truncated to 32 characters (128 bits)."""
-    return hashlib.sha256(canonical(key)).hexdigest()[:DIGEST_CHARS]
+    return digest_of(canonical(key))
 
 
-def describe(key: Any, limit: int = 200) -> str:
-    """A short printable form of the key, stored in meta for ``inspect``."""
-    text = key if isinstance(key, str) else canonical(key)[2:].decode("utf-8", "replace")
+def describe_canonical(canon: bytes, limit: int = 200) -> str:
+    """A short printable form of a canonical key, stored in meta for ``inspect``."""
+    text = canon[2:].decode("utf-8", "replace")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

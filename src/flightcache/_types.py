@@ -66,8 +66,10 @@ class FlightInfo:
 class Stats:
     """Counters of one FlightCache, cumulative since it was made."""
 
-    calls: int = 0
-    hits: int = 0
+    calls: int = 0  # do() calls
+    hits: int = 0  # do() calls answered from the stored result
+    gets: int = 0  # get() calls
+    get_hits: int = 0
     misses: int = 0
     coalesced: int = 0
     follows: int = 0
