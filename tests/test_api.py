@@ -211,9 +211,14 @@ async def test_closing_an_owner_gives_its_flight_back_at_once(make_cache: Any) -
     the lease."""
     owner, other = make_cache(lease=5.0), make_cache(lease=5.0)
     gate = asyncio.Event()
+    cancelled = asyncio.Event()
 
     async def never() -> str:
-        await gate.wait()
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
         return "never"
 
     async def mine() -> str:
@@ -230,3 +235,4 @@ async def test_closing_an_owner_gives_its_flight_back_at_once(make_cache: Any) -
     assert loop.time() - t0 < 2.0  # well under the 5 s lease
     with pytest.raises(FlightError):
         await task
+    assert cancelled.is_set()  # the closed owner's loader does not run on

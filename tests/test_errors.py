@@ -29,7 +29,9 @@ class Boom(Exception):
     pass
 
 
-async def test_a_loader_error_reaches_every_caller_in_every_process(make_cache: Any) -> None:
+async def test_a_loader_error_reaches_every_caller_in_every_process(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
     owner, other = make_cache(), make_cache()
     gate = asyncio.Event()
     runs: list[int] = []
@@ -52,6 +54,8 @@ async def test_a_loader_error_reaches_every_caller_in_every_process(make_cache: 
     assert info.value.type_name == "Boom"
     assert info.value.remote_message == "the model is down"
     assert len(runs) == 1
+    fk = owner.keyspace.flight("q")
+    assert not await redis_client.exists(fk.meta, fk.waiters)  # the flight is over
 
 
 async def test_errors_are_negative_cached_for_error_ttl_only(
@@ -241,6 +245,8 @@ async def test_a_loader_that_ignores_cancellation_is_abandoned_at_its_timeout(
         ({"error_ttl": -1}, "error_ttl"),
         ({"max_value_bytes": 0}, "max_value_bytes"),
         ({"codec": "yaml"}, "codec"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"socket_timeout": 0}, "socket_timeout"),
     ],
 )
 def test_bad_settings_are_config_errors(kwargs: dict[str, Any], match: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from flightcache import BackendUnavailable
+from flightcache import BackendUnavailable, ConfigError
 from flightcache._heartbeat import Heartbeat
 
 
@@ -146,3 +146,39 @@ async def test_lease_lost_cancels_the_loader_at_once(
     await asyncio.wait_for(cancelled.wait(), 2)
     assert await asyncio.wait_for(task, 5) == "second"
     assert fc.stats["lease_lost"] == 1
+
+
+async def test_heartbeat_gives_up_when_a_renewal_hangs_past_the_lease() -> None:
+    """A renewal that never answers cannot prove the lease: the work is cancelled when the
+    lease runs out, not when some socket timeout fires much later."""
+
+    async def renew() -> bool:
+        await asyncio.sleep(3600)
+        return True
+
+    work = asyncio.ensure_future(asyncio.sleep(60))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    hb = Heartbeat(renew, work, lease_s=0.3, digest="d").start()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(work, 5)
+    await hb.stop()
+    assert hb.lost
+    assert 0.25 <= loop.time() - t0 <= 1.0
+
+
+async def test_heartbeat_retries_any_flight_error_until_the_lease_is_unproven() -> None:
+    calls: list[int] = []
+
+    async def renew() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConfigError("a passing refusal")
+        return True
+
+    work = asyncio.ensure_future(asyncio.sleep(0.5))
+    hb = Heartbeat(renew, work, lease_s=0.3, digest="d").start()
+    await work
+    await hb.stop()
+    assert not hb.lost
+    assert len(calls) >= 3  # the failure was retried, and renewals went on

@@ -119,6 +119,10 @@ class FlightCache:
         self._stats = Stats()
         self._tuning = tuning or Tuning()
         self._socket_timeout = _seconds("socket_timeout", socket_timeout)
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise ConfigError(f"max_connections must be an int >= 2: {max_connections!r}")
+        if max_connections < 2:
+            raise ConfigError(f"max_connections must be an int >= 2: {max_connections!r}")
         self._max_connections = max_connections
         self._inflight: dict[str, _Slot] = {}
         self._tasks: set[asyncio.Task[bytes]] = set()

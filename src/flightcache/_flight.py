@@ -165,14 +165,14 @@ class RedisFlights:
                 await asyncio.sleep(delay + random.uniform(0, step / 2))  # takeover jitter
                 state = await self._join(fk, opts, "always")
                 continue
-            token = await self._confirm(fk, opts, state.claim_id)
-            if token is None:  # the claim lapsed before its token arrived
+            confirmed = await self._confirm(fk, opts, state.claim_id)
+            if confirmed is None:  # the claim lapsed before its token arrived
                 state = await self._join(fk, opts, "always")
                 continue
             if takeover:
                 self.stats.takeovers += 1
             try:
-                return await self._own(fk, loader, opts, token)
+                return await self._own(fk, loader, opts, *confirmed)
             except _Lost:
                 state, takeover = await self._join(fk, opts, "always"), False
 
@@ -197,21 +197,27 @@ class RedisFlights:
         )
         return _state(reply, claim_id)
 
-    async def _confirm(self, fk: FlightKeys, opts: CallOptions, claim_id: str) -> int | None:
-        """Take a fencing token (INCR owner-seq) and confirm the claim with it."""
+    async def _confirm(
+        self, fk: FlightKeys, opts: CallOptions, claim_id: str
+    ) -> tuple[int, float] | None:
+        """Take a fencing token (INCR owner-seq) and confirm the claim with it: the token and
+        the local time the confirmation was sent (the lease started later than that)."""
         client = self.conn.client
         token = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
+        sent = self.clock()
         confirmed = await self.conn.script(
             "confirm_claim", fk, (fk.meta,), (claim_id, token, opts.lease_ms)
         )
         if int(confirmed) != 1:
             return None
         log_claim.debug("flight %s: owner with token %d", fk.digest, token)
-        return token
+        return token, sent
 
     # -- owner ---------------------------------------------------------------------------
 
-    async def _own(self, fk: FlightKeys, loader: Loader, opts: CallOptions, token: int) -> bytes:
+    async def _own(
+        self, fk: FlightKeys, loader: Loader, opts: CallOptions, token: int, granted_at: float
+    ) -> bytes:
         self.stats.loader_runs += 1
         work = asyncio.ensure_future(call_and_encode(loader, self.envelope, fk.digest))
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
@@ -226,7 +232,12 @@ class RedisFlights:
             return int(reply) == 1
 
         heartbeat = Heartbeat(
-            renew, work, lease_s=opts.lease_ms / 1000, digest=fk.digest, clock=self.clock
+            renew,
+            work,
+            lease_s=opts.lease_ms / 1000,
+            digest=fk.digest,
+            granted_at=granted_at,
+            clock=self.clock,
         ).start()
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._errors import BackendUnavailable
+from ._errors import FlightError
 
 log = logging.getLogger("flightcache.heartbeat")
 
@@ -28,6 +28,7 @@ class Heartbeat:
         *,
         lease_s: float,
         digest: str,
+        granted_at: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._renew = renew
@@ -36,6 +37,7 @@ class Heartbeat:
         self.interval_s = lease_s / 3
         self.digest = digest
         self._clock = clock
+        self._granted_at = clock() if granted_at is None else granted_at
         self.lost = False
         self.reason = ""
         self.renewals = 0
@@ -67,17 +69,21 @@ class Heartbeat:
         self._work.cancel()
 
     async def _run(self) -> None:
-        proven_until = self._clock() + self.lease_s  # the claim itself granted one lease
+        # The lease is proven until one lease after the claim was sent (the server started
+        # it later than that, so this end comes no later than the server's).
+        proven_until = self._granted_at + self.lease_s
         while not self._work.done():
             await asyncio.sleep(self.interval_s)
             sent = self._clock()
             try:
-                ok = await self._renew()
-            except BackendUnavailable as exc:
+                # A renewal that is still unanswered when the lease runs out proves nothing.
+                budget = max(proven_until - sent, 0.001)
+                ok = await asyncio.wait_for(self._renew(), budget)
+            except (FlightError, asyncio.TimeoutError) as exc:
                 if self._clock() >= proven_until:
-                    self._give_up(f"no renewal for a whole lease: {exc}")
+                    self._give_up(f"no renewal for a whole lease: {exc!r}")
                     return
-                log.info("flight %s: renewal failed, retrying: %s", self.digest, exc)
+                log.info("flight %s: renewal failed, retrying: %r", self.digest, exc)
                 continue
             if not ok:
                 self._give_up("another owner holds the flight, or the lease lapsed")

@@ -26,7 +26,11 @@ async def wait_bounded(task: asyncio.Future[bytes], timeout_s: float, digest: st
     A loader that ignores cancellation is given ``CANCEL_GRACE_S`` and then abandoned, so a
     hung loader can never hold its callers (or its heartbeat) past the bound.
     """
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()  # the flight itself is being cancelled (the cache is closing)
+        raise
     if not done:
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)

@@ -14,4 +14,7 @@ end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 't', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('DEL', KEYS[2])
+if ARGV[2] == 'error' then
+  redis.call('DEL', KEYS[4])  -- the flight is over; after a reset the queue decides who claims
+end
 return 1
