@@ -14,9 +14,11 @@ from ._errors import (
     LeaseLost,
     RemoteError,
     SerializationError,
+    StreamRestarted,
     ValueTooLarge,
 )
 from ._flight import Tuning
+from ._streaming import FlightStream
 from ._types import MISSING, UNSET, FlightInfo
 
 __version__ = "0.1.0"
@@ -31,10 +33,12 @@ __all__ = [
     "FlightCache",
     "FlightError",
     "FlightInfo",
+    "FlightStream",
     "FlightTimeout",
     "LeaseLost",
     "RemoteError",
     "SerializationError",
+    "StreamRestarted",
     "Tuning",
     "ValueTooLarge",
     "__version__",

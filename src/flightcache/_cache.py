@@ -13,11 +13,13 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ._codec import Codec, Envelope, make_codec
 from ._embedded import EmbeddedServer
-from ._errors import ConfigError, FlightError
+from ._errors import ConfigError, FlightError, SerializationError
 from ._flight import RedisFlights, Tuning
+from ._jobs import Job, LoaderJob, Producer, StreamJob
 from ._keys import FlightKeys, KeySpace, canonical, describe_canonical, digest_of
 from ._memory import MemoryFlights
 from ._redis import RedisConnection, safe_url
+from ._streaming import HIT, FlightStream, LocalStream
 from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
 
 P = ParamSpec("P")
@@ -29,7 +31,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 class _Flights(Protocol):
     async def lookup(self, fk: FlightKeys) -> bytes | None: ...
 
-    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes: ...
+    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes: ...
 
     async def inspect(self, fk: FlightKeys) -> FlightInfo: ...
 
@@ -125,7 +127,8 @@ class FlightCache:
             raise ConfigError(f"max_connections must be an int >= 2: {max_connections!r}")
         self._max_connections = max_connections
         self._inflight: dict[str, _Slot] = {}
-        self._tasks: set[asyncio.Task[bytes]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._streams: dict[str, LocalStream] = {}
         self._server: EmbeddedServer | None = None
         self._conn: RedisConnection | None = None
         self._flights: _Flights | None = None
@@ -235,7 +238,8 @@ class FlightCache:
             data = await flights.lookup(fk)
         except asyncio.CancelledError:
             opts = self._options(canon, ttl, lease, timeout)
-            self._start_flight(flights, fk, loader, opts, slot)  # others may be waiting
+            job = LoaderJob(loader, self.envelope, fk.digest)
+            self._start_flight(flights, fk, job, opts, slot)  # others may be waiting
             raise
         except BaseException as exc:
             self._settle(fk.digest, slot, exc)
@@ -244,14 +248,15 @@ class FlightCache:
             self._stats.hits += 1
             self._settle(fk.digest, slot, data)
             return self.envelope.decode(data, key=fk.digest)
-        self._start_flight(flights, fk, loader, self._options(canon, ttl, lease, timeout), slot)
+        job = LoaderJob(loader, self.envelope, fk.digest)
+        self._start_flight(flights, fk, job, self._options(canon, ttl, lease, timeout), slot)
         return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
 
     def _start_flight(
-        self, flights: _Flights, fk: FlightKeys, loader: Loader, opts: CallOptions, slot: _Slot
+        self, flights: _Flights, fk: FlightKeys, job: Job, opts: CallOptions, slot: _Slot
     ) -> None:
         """Run the flight in a task of its own, so no caller's cancellation can stop it."""
-        task = asyncio.ensure_future(flights.resolve(fk, loader, opts))
+        task = asyncio.ensure_future(flights.resolve(fk, job, opts))
         self._tasks.add(task)
 
         def finish(t: asyncio.Task[bytes]) -> None:
@@ -270,6 +275,80 @@ class FlightCache:
         if self._inflight.get(digest) is slot:
             del self._inflight[digest]
         slot.settle(outcome)
+
+    def stream(
+        self,
+        key: Any,
+        producer: Producer,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+    ) -> FlightStream:
+        """``async for chunk in fc.stream(key, producer)``: one producer run for everyone.
+
+        ``producer`` is a zero-argument async generator. Its owner's chunks reach every
+        caller live, in every process, including callers that join late; the finished
+        sequence is cached and a hit replays it. If the owner dies mid-stream a new owner
+        starts over: a caller that had no chunk yet goes on with it, one that had chunks
+        gets ``StreamRestarted``. ``timeout`` bounds the whole production.
+        """
+        if not callable(producer):
+            raise ConfigError(
+                f"producer must be a zero-argument async generator function: {producer!r}"
+            )
+        if ttl is not None or lease is not None or timeout is not None:
+            self._check_call(ttl, lease, timeout)
+        canon = canonical(key)
+        fk = self.keyspace.for_digest(digest_of(canon))
+        opts = self._options(canon, ttl, lease, timeout)
+        self._stats.streams += 1
+
+        def attach() -> tuple[LocalStream, bool]:
+            local = self._streams.get(fk.digest)
+            if local is not None:  # local single-flight for streams
+                self._stats.coalesced += 1
+                return local, True
+            local = LocalStream(fk.digest)
+            self._streams[fk.digest] = local
+            task = asyncio.ensure_future(self._run_stream(fk, producer, opts, local))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return local, False
+
+        return FlightStream(attach)
+
+    async def _run_stream(
+        self, fk: FlightKeys, producer: Producer, opts: CallOptions, local: LocalStream
+    ) -> None:
+        try:
+            flights = await self._ready()
+            data = await flights.lookup(fk)
+            if data is not None:
+                self._stats.hits += 1
+                local.opened(HIT)
+                local.complete(self._stream_chunks(data, fk))
+                return
+            job = StreamJob(producer, self.envelope, fk.digest, local)
+            data = await flights.resolve(fk, job, opts)
+            local.opened(HIT)  # no-op unless the join itself found the result
+            local.complete(None if data == b"" else self._stream_chunks(data, fk))
+        except asyncio.CancelledError:
+            local.fail(FlightError("the FlightCache was closed", key=fk.digest))
+            raise
+        except BaseException as exc:
+            local.fail(exc)
+        finally:
+            if self._streams.get(fk.digest) is local:
+                del self._streams[fk.digest]
+
+    def _stream_chunks(self, data: bytes, fk: FlightKeys) -> list[Any]:
+        if not self.envelope.is_stream(data) and not self.envelope.is_error(data):
+            raise ConfigError("this key holds a value stored by do(), not a stream", key=fk.digest)
+        chunks = self.envelope.decode(data, key=fk.digest)  # an error record raises here
+        if not isinstance(chunks, list):
+            raise SerializationError("a stored stream is not a list of chunks", key=fk.digest)
+        return chunks
 
     async def get(self, key: Any) -> Any:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""

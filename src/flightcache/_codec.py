@@ -12,9 +12,17 @@ from typing import Any, Protocol
 
 import orjson
 
-from ._errors import ConfigError, FlightTimeout, RemoteError, SerializationError, ValueTooLarge
+from ._errors import (
+    ConfigError,
+    FlightTimeout,
+    RemoteError,
+    SerializationError,
+    StreamRestarted,
+    ValueTooLarge,
+)
 
 ERROR_TAG = b"e"
+STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chunks
 MAX_ERROR_MESSAGE = 2000
 
 
@@ -102,8 +110,30 @@ class Envelope:
             raise ValueTooLarge(len(data), self.max_value_bytes, key=key)
         return data
 
+    def encode_stream(self, chunks: list[Any], *, key: str | None = None) -> bytes:
+        """A finished stream: its chunks as one stored value, replayed on a hit."""
+        return STREAM_TAG + self.encode(chunks, key=key)
+
+    def encode_chunk(self, chunk: Any, *, key: str | None = None) -> bytes:
+        """One chunk as it travels on the flight's stream (no tag: the codec is the cache's)."""
+        try:
+            return self.codec.dumps(chunk)
+        except Exception as exc:
+            raise SerializationError(
+                f"cannot encode a stream chunk of type {type(chunk).__name__}: {exc}", key=key
+            ) from exc
+
+    def decode_chunk(self, data: bytes, *, key: str | None = None) -> Any:
+        try:
+            return self.codec.loads(data)
+        except Exception as exc:
+            raise SerializationError(f"cannot decode a stream chunk: {exc}", key=key) from exc
+
     def is_error(self, data: bytes) -> bool:
         return data[:1] == ERROR_TAG
+
+    def is_stream(self, data: bytes) -> bool:
+        return data[:1] == STREAM_TAG
 
     def decode(self, data: bytes, *, key: str | None = None) -> Any:
         """The value in ``data``; raises the stored error when ``data`` is an error record."""
@@ -115,6 +145,8 @@ class Envelope:
                 raise SerializationError(f"cannot decode stored value: {exc}", key=key) from exc
         if tag == ERROR_TAG:
             raise self.error_from(data, key=key)
+        if tag == STREAM_TAG:
+            return self.decode(data[1:], key=key)
         raise SerializationError(
             f"stored value has codec tag {tag!r}, this cache reads {self.codec.tag!r}: "
             "two caches with different codecs share a namespace",
@@ -127,9 +159,19 @@ class Envelope:
             kind, message = exc.type_name, exc.remote_message
         else:
             kind, message = type(exc).__name__, str(exc)
-        record = {"type": kind, "message": message[:MAX_ERROR_MESSAGE]}
+        record: dict[str, Any] = {"type": kind, "message": message[:MAX_ERROR_MESSAGE]}
         if isinstance(exc, FlightTimeout):
             record["flight"] = "timeout"
+        if isinstance(exc, StreamRestarted):
+            record["flight"] = "restarted"
+        details = getattr(exc, "flightcache_data", None)
+        if details is None and isinstance(exc, RemoteError):
+            details = exc.data
+        if details is not None:
+            try:
+                return ERROR_TAG + orjson.dumps({**record, "data": details})
+            except TypeError:
+                pass  # details that are not JSON are dropped, never the error itself
         return ERROR_TAG + orjson.dumps(record)
 
     @staticmethod
@@ -141,4 +183,6 @@ class Envelope:
             return SerializationError("stored error record is malformed", key=key)
         if record.get("flight") == "timeout":
             return FlightTimeout(message, key=key)
-        return RemoteError(kind, message, key=key)
+        if record.get("flight") == "restarted":
+            return StreamRestarted(message, key=key)
+        return RemoteError(kind, message, key=key, data=record.get("data"))

@@ -5,7 +5,9 @@
     FlightError                 every error this library raises on purpose
     ├── LeaseLost               an owner's lease was taken over; its loader was cancelled
     ├── FlightTimeout           a loader ran past its hard timeout, or a wait passed its bound
-    ├── RemoteError             the loader failed in another process (type name, message)
+    ├── RemoteError             the loader failed in another process (type name, message, data)
+    ├── StreamRestarted         a stream's owner died after chunks were delivered; a new
+    │                           owner started it again, and the two must not be mixed
     ├── ValueTooLarge           an encoded value is over ``max_value_bytes``; nothing was written
     ├── SerializationError      the codec cannot encode or decode a value
     ├── BackendUnavailable      Redis/Valkey cannot be reached (the URL is shown without password)
@@ -15,6 +17,8 @@ Every error carries ``.key`` (the key's digest, never the raw key) where one app
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class FlightError(Exception):
@@ -38,12 +42,27 @@ class FlightTimeout(FlightError):
 
 
 class RemoteError(FlightError):
-    """The loader raised in another process; ``type_name`` and ``message`` describe it."""
+    """The loader raised in another process; ``type_name`` and ``message`` describe it.
 
-    def __init__(self, type_name: str, message: str, *, key: str | None = None) -> None:
+    ``data`` carries the JSON details the loader's exception offered in its
+    ``flightcache_data`` attribute (an upstream's status and error body, say), else None.
+    """
+
+    def __init__(
+        self, type_name: str, message: str, *, key: str | None = None, data: Any = None
+    ) -> None:
         super().__init__(f"{type_name}: {message}", key=key)
         self.type_name = type_name
         self.remote_message = message
+        self.data = data
+
+
+class StreamRestarted(FlightError):
+    """A stream's owner died after this caller had chunks; the new owner starts over.
+
+    The caller has a prefix of one generation and the next generation may differ, so the
+    two are never mixed: the caller gets this error and may retry the whole request.
+    """
 
 
 class ValueTooLarge(FlightError):

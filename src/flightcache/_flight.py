@@ -14,17 +14,18 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from ._codec import Envelope
 from ._errors import FlightError, FlightTimeout, SerializationError, ValueTooLarge
 from ._heartbeat import Heartbeat
+from ._jobs import Job
 from ._keys import FlightKeys, KeySpace
-from ._loader import call_and_encode, wait_bounded
+from ._loader import error_ttl_ms, wait_bounded
 from ._redis import RedisConnection
-from ._types import CallOptions, FlightInfo, Loader, Stats
+from ._types import CallOptions, FlightInfo, Stats
 
 log_claim = logging.getLogger("flightcache.claim")
 log_follow = logging.getLogger("flightcache.follow")
@@ -38,7 +39,6 @@ class Tuning:
 
     inline_max_bytes: int = 64 * 1024  # values up to this size ride inside the done event
     stream_linger_ms: int = 10_000  # how long the stream outlives its flight
-    stream_maxlen: int = 1000
     block_margin_ms: int = 50  # a follower blocks for the lease left plus this
     takeover_step_s: float = 0.03  # delay per place in the waiters queue on takeover
     takeover_max_rank: int = 16
@@ -132,7 +132,9 @@ class RedisFlights:
 
     # -- the flight ----------------------------------------------------------------------
 
-    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes:
+    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+        """The stored result of the flight (value, stream or error record), or ``b""`` for a
+        stream whose every chunk this process already has."""
         deadline = self.clock() + opts.wait_bound_s
         state = await self._join(fk, opts, "always")
         if state.kind == HIT:
@@ -151,7 +153,8 @@ class RedisFlights:
                 return state.value
             if state.kind == FOLLOW:
                 self.stats.follows += 1
-                outcome = await self._follow(fk, state, opts, deadline)
+                job.on_follow()
+                outcome = await self._follow(fk, job, state, opts, deadline)
                 if isinstance(outcome, bytes):
                     return outcome
                 state, takeover = outcome, True
@@ -172,7 +175,7 @@ class RedisFlights:
             if takeover:
                 self.stats.takeovers += 1
             try:
-                return await self._own(fk, loader, opts, *confirmed)
+                return await self._own(fk, job, opts, *confirmed)
             except _Lost:
                 state, takeover = await self._join(fk, opts, "always"), False
 
@@ -192,7 +195,6 @@ class RedisFlights:
                 int(opts.timeout_s * 1000),
                 opts.key_text,
                 opts.lease_ms + self.tuning.stream_linger_ms,
-                self.tuning.stream_maxlen,
             ),
         )
         return _state(reply, claim_id)
@@ -216,11 +218,21 @@ class RedisFlights:
     # -- owner ---------------------------------------------------------------------------
 
     async def _own(
-        self, fk: FlightKeys, loader: Loader, opts: CallOptions, token: int, granted_at: float
+        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
     ) -> bytes:
         self.stats.loader_runs += 1
-        work = asyncio.ensure_future(call_and_encode(loader, self.envelope, fk.digest))
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
+        chunks = [0]
+
+        async def append(first_seq: int, batch: Sequence[bytes]) -> None:
+            written = await self.conn.script(
+                "append_chunks", fk, (fk.meta, fk.stream), (token, first_seq, *batch)
+            )
+            if int(written) != 1:
+                self._fenced(fk, token)
+            chunks[0] = first_seq + len(batch)
+
+        work = asyncio.ensure_future(job.run(append))
 
         async def renew() -> bool:
             reply = await self.conn.script(
@@ -248,6 +260,9 @@ class RedisFlights:
                 raise _Lost() from None
             await self._give_back(fk, token)  # we are being closed: let a follower claim now
             raise
+        except _Lost:
+            await heartbeat.stop()  # a fenced append: another owner holds the flight
+            raise
         except FlightTimeout as exc:
             await heartbeat.stop()
             self.stats.timeouts += 1
@@ -260,13 +275,14 @@ class RedisFlights:
         except Exception as exc:
             await heartbeat.stop()
             self.stats.loader_errors += 1
-            await self._publish_error(fk, token, exc, ttl_ms=opts.error_ttl_ms)
+            await self._publish_error(fk, token, exc, ttl_ms=error_ttl_ms(exc, opts))
             raise
         await heartbeat.stop()
         if heartbeat.lost:  # the loader finished as the lease was found lost
             self.stats.lease_lost += 1
             raise _Lost()
-        inline = "1" if len(encoded) <= self.tuning.inline_max_bytes else "0"
+        small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
+        count = "" if job.inline_ok else str(chunks[0])
         written = await self.conn.script(
             "complete_flight",
             fk,
@@ -275,9 +291,9 @@ class RedisFlights:
                 token,
                 encoded,
                 self._jittered(opts.ttl_ms),
-                inline,
+                "1" if small else "0",
                 self.tuning.stream_linger_ms,
-                self.tuning.stream_maxlen,
+                count,
             ),
         )
         if int(written) != 1:
@@ -309,7 +325,6 @@ class RedisFlights:
                 record,
                 ttl_ms,
                 self.tuning.stream_linger_ms,
-                self.tuning.stream_maxlen,
             ),
         )
         if int(written) != 1:
@@ -323,14 +338,7 @@ class RedisFlights:
                     "fail_flight",
                     fk,
                     (fk.result, fk.meta, fk.stream, fk.waiters),
-                    (
-                        token,
-                        "reset",
-                        "",
-                        0,
-                        self.tuning.stream_linger_ms,
-                        self.tuning.stream_maxlen,
-                    ),
+                    (token, "reset", "", 0, self.tuning.stream_linger_ms),
                 ),
                 self.tuning.reset_timeout_s,
             )
@@ -342,7 +350,7 @@ class RedisFlights:
     # -- follower ------------------------------------------------------------------------
 
     async def _follow(
-        self, fk: FlightKeys, state: _State, opts: CallOptions, deadline: float
+        self, fk: FlightKeys, job: Job, state: _State, opts: CallOptions, deadline: float
     ) -> bytes | _State:
         """Block on the flight's stream until it ends; a _State when the flight fell vacant.
 
@@ -369,14 +377,21 @@ class RedisFlights:
                 for entry_id, fields in reply[0][1]:
                     last_id = entry_id
                     kind = fields.get(b"t")
-                    if kind == b"claimed":
+                    if kind == b"claimed":  # past our position: the owner we followed died
                         log_follow.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
+                        job.on_claimed()
                         continue
                     tok = int(fields.get(b"tok", 0))
                     if tok < newest:
                         continue  # an older owner's event: cannot happen past our position
                     newest = tok
+                    if kind == b"chunk":
+                        job.on_chunk(int(fields[b"s"]), fields[b"v"])
+                        continue
                     if kind == b"done":
+                        count = fields.get(b"n")
+                        if count is not None and job.has_all(int(count)):
+                            return b""  # a stream: every chunk is here already
                         value = fields.get(b"v")
                         if value is None:
                             value = await self.lookup(fk)

@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ._codec import Envelope
 from ._errors import FlightTimeout
-from ._types import Loader
+from ._types import CallOptions
 
 log = logging.getLogger("flightcache.loader")
 
 CANCEL_GRACE_S = 1.0
 
 
-async def call_and_encode(loader: Loader, envelope: Envelope, digest: str) -> bytes:
-    """Await the loader and encode its value (ValueTooLarge / SerializationError raise here)."""
-    value = await loader()
-    return envelope.encode(value, key=digest)
+def error_ttl_ms(exc: BaseException, opts: CallOptions) -> int:
+    """How long a loader's error is negative-cached: its ``flightcache_error_ttl`` attribute
+    (seconds, 0 for not at all) when it has one, else the cache's ``error_ttl``."""
+    ttl = getattr(exc, "flightcache_error_ttl", None)
+    if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= 0:
+        return int(ttl * 1000)
+    return opts.error_ttl_ms
 
 
 async def wait_bounded(task: asyncio.Future[bytes], timeout_s: float, digest: str) -> bytes:

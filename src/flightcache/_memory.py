@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 from ._codec import Envelope
 from ._errors import FlightTimeout, SerializationError, ValueTooLarge
+from ._jobs import Job
 from ._keys import FlightKeys
-from ._loader import call_and_encode, wait_bounded
-from ._types import CallOptions, FlightInfo, Loader, Stats
+from ._loader import error_ttl_ms, wait_bounded
+from ._types import CallOptions, FlightInfo, Stats
 
 
 class MemoryFlights:
@@ -48,7 +49,7 @@ class MemoryFlights:
     def _put(self, fk: FlightKeys, data: bytes, ttl_ms: int) -> None:
         self._store[fk.digest] = (self.clock() + ttl_ms / 1000, data)
 
-    async def resolve(self, fk: FlightKeys, loader: Loader, opts: CallOptions) -> bytes:
+    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
         hit = await self.lookup(fk)
         if hit is not None:
             self.stats.hits += 1
@@ -56,7 +57,7 @@ class MemoryFlights:
         self.stats.misses += 1
         self.stats.loader_runs += 1
         self._running.add(fk.digest)
-        work = asyncio.ensure_future(call_and_encode(loader, self.envelope, fk.digest))
+        work = asyncio.ensure_future(job.run(None))
         try:
             data = await wait_bounded(work, opts.timeout_s, fk.digest)
         except FlightTimeout:
@@ -66,8 +67,9 @@ class MemoryFlights:
             raise
         except Exception as exc:
             self.stats.loader_errors += 1
-            if opts.error_ttl_ms > 0:
-                self._put(fk, self.envelope.encode_error(exc), opts.error_ttl_ms)
+            ttl_ms = error_ttl_ms(exc, opts)
+            if ttl_ms > 0:
+                self._put(fk, self.envelope.encode_error(exc), ttl_ms)
             raise
         finally:
             self._running.discard(fk.digest)

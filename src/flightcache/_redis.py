@@ -22,7 +22,14 @@ T = TypeVar("T")
 
 log = logging.getLogger("flightcache.redis")
 
-SCRIPT_NAMES = ("join_flight", "confirm_claim", "renew_lease", "complete_flight", "fail_flight")
+SCRIPT_NAMES = (
+    "join_flight",
+    "confirm_claim",
+    "renew_lease",
+    "append_chunks",
+    "complete_flight",
+    "fail_flight",
+)
 
 
 def safe_url(url: str) -> str:

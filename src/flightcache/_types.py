@@ -68,6 +68,7 @@ class Stats:
 
     calls: int = 0  # do() calls
     hits: int = 0  # do() calls answered from the stored result
+    streams: int = 0  # stream() calls
     gets: int = 0  # get() calls
     get_hits: int = 0
     misses: int = 0

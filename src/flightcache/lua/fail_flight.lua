@@ -3,7 +3,6 @@
 -- ARGV[1] token   ARGV[2] event type: 'error' (followers raise) or 'reset' (followers
 --         may claim at once)   ARGV[3] encoded error record ('' for reset)
 -- ARGV[4] negative-cache TTL ms (0: cache nothing)   ARGV[5] stream linger ms
--- ARGV[6] stream MAXLEN
 -- Returns 1 published, 0 fenced: the token is not the current owner's, nothing was written
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
@@ -11,7 +10,7 @@ end
 if tonumber(ARGV[4]) > 0 then
   redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 end
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 't', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3])
+redis.call('XADD', KEYS[3], '*', 't', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('DEL', KEYS[2])
 if ARGV[2] == 'error' then

@@ -5,15 +5,17 @@
 -- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
 --         the waiters queue (after an owner's death, so the first-joined goes first)
 -- ARGV[4] claim id (random, one per call)   ARGV[5] lease ms   ARGV[6] loader timeout ms
--- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms   ARGV[9] stream MAXLEN
+-- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms
 -- Returns {1, value}                        hit: the stored value (or error record)
---         {2, token, lease_left_ms, rank, last_id}
+--         {2, token, lease_left_ms, rank, from_id}
 --                                           follow: a flight is live; token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
---                                           waiters at 0-based position `rank`; every event
---                                           that can end this flight comes after `last_id`
+--                                           waiters at 0-based position `rank`; `from_id` is
+--                                           this flight's `claimed` event: every chunk and
+--                                           the end of the flight come after it
 --         {3, attempts}                     claimed: meta is CLAIMING under the claim id, and
---                                           a `claimed` event is on the stream
+--                                           a `claimed` event is on the stream, the first
+--                                           entry left on it (earlier flights are trimmed)
 --         {0, rank}                         vacant and not claimed: not first in the queue
 local value = redis.call('GET', KEYS[1])
 if value then
@@ -26,8 +28,8 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
   end
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
-  local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-  return {2, token, redis.call('PTTL', KEYS[2]), rank, last[1] and last[1][1] or '0-0'}
+  local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
+  return {2, token, redis.call('PTTL', KEYS[2]), rank, from}
 end
 if ARGV[3] == 'first' and rank ~= 0 then
   return {0, rank or -1}
@@ -49,9 +51,11 @@ local started = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 redis.call('HSET', KEYS[2], 'status', 'CLAIMING', 'claimId', ARGV[4], 'ownerNode', ARGV[1],
   'leaseMs', ARGV[5], 'timeoutMs', ARGV[6], 'startedAt', started, 'attempts', attempts,
   'key', ARGV[7])
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*',
+local entry = redis.call('XADD', KEYS[4], '*',
   't', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4])
+redis.call('XTRIM', KEYS[4], 'MINID', entry)
 redis.call('PEXPIRE', KEYS[4], ARGV[8])
+redis.call('HSET', KEYS[2], 'claimEntry', entry)
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('LREM', KEYS[3], 0, ARGV[1])
 return {3, attempts}

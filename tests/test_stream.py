@@ -1,0 +1,253 @@
+"""fc.stream: one producer run, chunks live to every caller in every process, replay on hit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from flightcache import (
+    MISSING,
+    ConfigError,
+    EmbeddedServer,
+    FlightCache,
+    RemoteError,
+    StreamRestarted,
+    ValueTooLarge,
+)
+
+from .helpers.procs import SRC, wait_for
+
+
+def producer_of(chunks: list[Any], delay: float = 0.0, runs: list[int] | None = None) -> Any:
+    async def produce() -> AsyncIterator[Any]:
+        if runs is not None:
+            runs.append(1)
+        for chunk in chunks:
+            if delay:
+                await asyncio.sleep(delay)
+            yield chunk
+
+    return produce
+
+
+async def collect(stream: Any) -> list[Any]:
+    return [chunk async for chunk in stream]
+
+
+async def test_a_stream_runs_once_and_a_hit_replays_it(backend_url: str, make_cache: Any) -> None:
+    fc = make_cache(backend_url)
+    runs: list[int] = []
+    produce = producer_of([{"delta": "Hel"}, {"delta": "lo"}, {"delta": "!"}], runs=runs)
+    first = fc.stream("q", produce)
+    assert await first.opened() == "MISS"
+    assert await collect(first) == [{"delta": "Hel"}, {"delta": "lo"}, {"delta": "!"}]
+    again = fc.stream("q", produce)
+    assert await collect(again) == [{"delta": "Hel"}, {"delta": "lo"}, {"delta": "!"}]
+    assert again.source == "HIT"
+    assert len(runs) == 1
+    assert await fc.do("q", producer_of([])) == [{"delta": "Hel"}, {"delta": "lo"}, {"delta": "!"}]
+
+
+async def test_local_subscribers_share_one_run_and_see_the_same_chunks(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+    runs: list[int] = []
+    produce = producer_of(list(range(20)), delay=0.01, runs=runs)
+    streams = [fc.stream("q", produce) for _ in range(50)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    assert results == [list(range(20))] * 50
+    assert len(runs) == 1
+    assert sorted(s.source for s in streams) == ["COALESCED"] * 49 + ["MISS"]
+
+
+async def test_remote_followers_get_chunks_live_and_late_joiners_get_them_all(
+    make_cache: Any,
+) -> None:
+    owner, follower, late = make_cache(), make_cache(), make_cache()
+    gate, three = asyncio.Event(), asyncio.Event()
+    produced: list[float] = []
+
+    async def produce() -> AsyncIterator[int]:
+        for n in range(6):
+            if n == 3:
+                three.set()
+                await gate.wait()
+            produced.append(time.monotonic())
+            yield n
+            await asyncio.sleep(0.02)
+
+    seen: list[float] = []
+
+    async def follow() -> list[int]:
+        out = []
+        async for chunk in follower.stream("q", produce):
+            seen.append(time.monotonic())
+            out.append(chunk)
+        return out
+
+    own = asyncio.ensure_future(collect(owner.stream("q", produce)))
+    await asyncio.sleep(0.05)
+    remote = asyncio.ensure_future(follow())
+    await asyncio.wait_for(three.wait(), 5)
+    late_stream = late.stream("q", produce)
+    assert await late_stream.opened() == "COALESCED"
+    late_task = asyncio.ensure_future(collect(late_stream))
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert await own == await remote == await late_task == list(range(6))
+    assert owner.stats["loader_runs"] == 1
+    assert follower.stats["loader_runs"] == late.stats["loader_runs"] == 0
+    # A remote chunk arrives close behind the owner's (generous bound for a loaded machine).
+    assert max(s - p for s, p in zip(seen[3:], produced[3:], strict=True)) < 0.25
+
+
+async def test_a_stream_that_fails_reaches_everyone_and_is_not_cached(
+    make_cache: Any,
+) -> None:
+    owner, other = make_cache(error_ttl=0.2), make_cache(error_ttl=0.2)
+
+    class Upstream(Exception):
+        flightcache_data: ClassVar[dict[str, int]] = {"status": 502}
+
+    async def produce() -> AsyncIterator[str]:
+        yield "partial"
+        await asyncio.sleep(0.1)
+        raise Upstream("cut off")
+
+    async def drain(stream: Any, into: list[Any]) -> None:
+        async for chunk in stream:
+            into.append(chunk)
+
+    local_seen: list[Any] = []
+    remote_seen: list[Any] = []
+    own = asyncio.ensure_future(drain(owner.stream("q", produce), local_seen))
+    await asyncio.sleep(0.03)
+    remote = asyncio.ensure_future(drain(other.stream("q", produce), remote_seen))
+    with pytest.raises(Upstream):
+        await own
+    with pytest.raises(RemoteError) as info:
+        await remote
+    assert info.value.type_name == "Upstream" and info.value.data == {"status": 502}
+    assert local_seen == remote_seen == ["partial"]
+    assert await owner.get("q") is MISSING
+    await asyncio.sleep(0.3)
+
+    async def good() -> AsyncIterator[str]:
+        yield "whole"
+
+    assert await collect(owner.stream("q", good)) == ["whole"]
+
+
+async def test_leaving_early_does_not_stop_the_stream_for_others(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+    produce = producer_of(list(range(10)), delay=0.01)
+    quitter = fc.stream("q", produce)
+    stayer = asyncio.ensure_future(collect(fc.stream("q", produce)))
+    async for chunk in quitter:
+        assert chunk == 0
+        break
+    await quitter.aclose()
+    assert await stayer == list(range(10))
+    assert await fc.get("q") == list(range(10))
+
+
+async def test_a_stream_over_the_size_limit_is_refused_and_not_cached(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url, max_value_bytes=100)
+    with pytest.raises(ValueTooLarge):
+        await collect(fc.stream("q", producer_of(["x" * 40] * 5)))
+    assert await fc.get("q") is MISSING
+
+
+async def test_stream_and_do_values_do_not_mix(backend_url: str, make_cache: Any) -> None:
+    fc = make_cache(backend_url)
+
+    async def value() -> str:
+        return "plain"
+
+    await fc.do("q", value)
+    with pytest.raises(ConfigError, match="not a stream"):
+        await collect(fc.stream("q", producer_of(["a"])))
+    with pytest.raises(ConfigError, match="producer"):
+        fc.stream("q", "nope")  # type: ignore[arg-type]
+
+
+async def test_a_loader_error_can_choose_its_negative_cache_ttl(make_cache: Any) -> None:
+    fc = make_cache(error_ttl=60)
+    runs: list[int] = []
+
+    class RateLimited(Exception):
+        flightcache_error_ttl = 0  # never cache: a retry must reach the upstream
+
+    async def limited() -> str:
+        runs.append(1)
+        raise RateLimited("429")
+
+    for _ in range(2):
+        with pytest.raises(RateLimited):
+            await fc.do("q", limited)
+    assert len(runs) == 2
+
+
+@pytest.mark.timeout(60)
+async def test_owner_killed_mid_stream_restarts_cleanly(
+    server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    """A caller that had chunks gets StreamRestarted; one that had none gets the new owner's
+    whole stream; nothing mixes two generations."""
+    cfg = {
+        "url": server.url,
+        "namespace": namespace,
+        "key": "story",
+        "chunks": 50,
+        "interval_s": 0.1,
+        "lease": 0.6,
+        "markers": str(tmp_path),
+    }
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    owner = subprocess.Popen(  # noqa: ASYNC220 (started once, before the loop is busy)
+        [
+            sys.executable,
+            str(Path(__file__).parent / "helpers" / "stream_owner.py"),
+            json.dumps(cfg),
+        ],
+        env=env,
+    )
+    try:
+        wait_for((tmp_path / "chunk-0").exists, 15, "the owner's first chunk")
+        fc = FlightCache(server.url, namespace=namespace, lease=0.6)
+
+        async def second_owner() -> AsyncIterator[dict[str, Any]]:
+            for n in range(3):
+                yield {"n": n, "by": "second-owner"}
+
+        eager = fc.stream("story", second_owner)
+        patient = fc.stream("story", second_owner)
+        assert await patient.opened() == "COALESCED"
+        got: list[Any] = []
+        with pytest.raises(StreamRestarted):
+            async for chunk in eager:
+                got.append(chunk)
+                if len(got) == 2:
+                    os.kill(owner.pid, signal.SIGKILL)
+        assert got and all(c["by"] == "first-owner" for c in got)
+        assert await collect(patient) == [{"n": n, "by": "second-owner"} for n in range(3)]
+        assert await fc.get("story") == [{"n": n, "by": "second-owner"} for n in range(3)]
+        await fc.aclose()
+    finally:
+        owner.kill()
+        owner.wait(10)
