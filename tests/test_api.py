@@ -236,3 +236,38 @@ async def test_closing_an_owner_gives_its_flight_back_at_once(make_cache: Any) -
     with pytest.raises(FlightError):
         await task
     assert cancelled.is_set()  # the closed owner's loader does not run on
+
+
+async def test_refresh_recomputes_and_replaces_the_stored_value(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+    values = iter(["old", "new"])
+
+    async def loader() -> str:
+        return next(values)
+
+    assert await fc.do("q", loader) == "old"
+    assert await fc.do("q", loader) == "old"
+    assert await fc.do("q", loader, refresh=True) == "new"
+    assert await fc.get("q") == "new"
+
+
+async def test_refresh_joins_a_running_flight_instead_of_starting_another(make_cache: Any) -> None:
+    owner, other = make_cache(), make_cache()
+    runs: list[int] = []
+    gate = asyncio.Event()
+
+    async def loader() -> int:
+        runs.append(1)
+        await gate.wait()
+        return len(runs)
+
+    await owner.do("q", counting_loader(0)[0])  # a stored value the refresh must ignore
+    first = asyncio.ensure_future(owner.do("q", loader, refresh=True))
+    await asyncio.sleep(0.1)
+    second = asyncio.ensure_future(other.do("q", loader, refresh=True))
+    await asyncio.sleep(0.1)
+    gate.set()
+    assert await first == await second == 1
+    assert len(runs) == 1

@@ -251,3 +251,14 @@ async def test_owner_killed_mid_stream_restarts_cleanly(
     finally:
         owner.kill()
         owner.wait(10)
+
+
+async def test_a_refreshed_stream_replaces_the_stored_one(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+    assert await collect(fc.stream("q", producer_of(["a", "b"]))) == ["a", "b"]
+    fresh = fc.stream("q", producer_of(["c"]), refresh=True)
+    assert await collect(fresh) == ["c"]
+    assert fresh.source == "MISS"
+    assert await collect(fc.stream("q", producer_of(["x"]))) == ["c"]

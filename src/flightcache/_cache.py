@@ -193,7 +193,12 @@ class FlightCache:
             _seconds("timeout", timeout)
 
     def _options(
-        self, canon: bytes, ttl: float | None, lease: float | None, timeout: float | None
+        self,
+        canon: bytes,
+        ttl: float | None,
+        lease: float | None,
+        timeout: float | None,
+        refresh: bool = False,
     ) -> CallOptions:
         return CallOptions(
             ttl_ms=int((self.ttl if ttl is None else ttl) * 1000) or 1,
@@ -201,6 +206,7 @@ class FlightCache:
             timeout_s=float(self.timeout if timeout is None else timeout),
             error_ttl_ms=int(self.error_ttl * 1000),
             key_text=describe_canonical(canon),
+            refresh=refresh,
         )
 
     async def do(
@@ -211,11 +217,14 @@ class FlightCache:
         ttl: float | None = None,
         lease: float | None = None,
         timeout: float | None = None,
+        refresh: bool = False,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
         ``loader`` runs at most once per flight across all processes sharing the server. A
-        caller that is cancelled stops waiting; the flight goes on for the others.
+        caller that is cancelled stops waiting; the flight goes on for the others. With
+        ``refresh=True`` a stored value does not count: the call joins a running flight or
+        starts one, whose value replaces the stored one.
         """
         if not callable(loader):
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
@@ -235,9 +244,9 @@ class FlightCache:
         self._inflight[fk.digest] = slot
         # Hit path: one GET in the caller's own task (no task, no future, no script).
         try:
-            data = await flights.lookup(fk)
+            data = None if refresh else await flights.lookup(fk)
         except asyncio.CancelledError:
-            opts = self._options(canon, ttl, lease, timeout)
+            opts = self._options(canon, ttl, lease, timeout, refresh)
             job = LoaderJob(loader, self.envelope, fk.digest)
             self._start_flight(flights, fk, job, opts, slot)  # others may be waiting
             raise
@@ -249,7 +258,8 @@ class FlightCache:
             self._settle(fk.digest, slot, data)
             return self.envelope.decode(data, key=fk.digest)
         job = LoaderJob(loader, self.envelope, fk.digest)
-        self._start_flight(flights, fk, job, self._options(canon, ttl, lease, timeout), slot)
+        opts = self._options(canon, ttl, lease, timeout, refresh)
+        self._start_flight(flights, fk, job, opts, slot)
         return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
 
     def _start_flight(
@@ -284,6 +294,7 @@ class FlightCache:
         ttl: float | None = None,
         lease: float | None = None,
         timeout: float | None = None,
+        refresh: bool = False,
     ) -> FlightStream:
         """``async for chunk in fc.stream(key, producer)``: one producer run for everyone.
 
@@ -291,7 +302,8 @@ class FlightCache:
         caller live, in every process, including callers that join late; the finished
         sequence is cached and a hit replays it. If the owner dies mid-stream a new owner
         starts over: a caller that had no chunk yet goes on with it, one that had chunks
-        gets ``StreamRestarted``. ``timeout`` bounds the whole production.
+        gets ``StreamRestarted``. ``timeout`` bounds the whole production; ``refresh`` is
+        as for ``do``.
         """
         if not callable(producer):
             raise ConfigError(
@@ -301,7 +313,7 @@ class FlightCache:
             self._check_call(ttl, lease, timeout)
         canon = canonical(key)
         fk = self.keyspace.for_digest(digest_of(canon))
-        opts = self._options(canon, ttl, lease, timeout)
+        opts = self._options(canon, ttl, lease, timeout, refresh)
         self._stats.streams += 1
 
         def attach() -> tuple[LocalStream, bool]:
@@ -323,7 +335,7 @@ class FlightCache:
     ) -> None:
         try:
             flights = await self._ready()
-            data = await flights.lookup(fk)
+            data = None if opts.refresh else await flights.lookup(fk)
             if data is not None:
                 self._stats.hits += 1
                 local.opened(HIT)

@@ -195,6 +195,7 @@ class RedisFlights:
                 int(opts.timeout_s * 1000),
                 opts.key_text,
                 opts.lease_ms + self.tuning.stream_linger_ms,
+                "1" if opts.refresh else "0",
             ),
         )
         return _state(reply, claim_id)

@@ -50,7 +50,7 @@ class MemoryFlights:
         self._store[fk.digest] = (self.clock() + ttl_ms / 1000, data)
 
     async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
-        hit = await self.lookup(fk)
+        hit = None if opts.refresh else await self.lookup(fk)
         if hit is not None:
             self.stats.hits += 1
             return hit

@@ -37,6 +37,7 @@ class CallOptions:
     timeout_s: float
     error_ttl_ms: int
     key_text: str
+    refresh: bool = False  # recompute even when a result is stored (and overwrite it)
 
     @property
     def wait_bound_s(self) -> float:

@@ -6,6 +6,8 @@
 --         the waiters queue (after an owner's death, so the first-joined goes first)
 -- ARGV[4] claim id (random, one per call)   ARGV[5] lease ms   ARGV[6] loader timeout ms
 -- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms
+-- ARGV[9] '1' to refresh: a stored result does not count (follow a running flight or claim
+--         one that will overwrite it), '0' otherwise
 -- Returns {1, value}                        hit: the stored value (or error record)
 --         {2, token, lease_left_ms, rank, from_id}
 --                                           follow: a flight is live; token is '0' while its
@@ -17,9 +19,11 @@
 --                                           a `claimed` event is on the stream, the first
 --                                           entry left on it (earlier flights are trimmed)
 --         {0, rank}                         vacant and not claimed: not first in the queue
-local value = redis.call('GET', KEYS[1])
-if value then
-  return {1, value}
+if ARGV[9] ~= '1' then
+  local value = redis.call('GET', KEYS[1])
+  if value then
+    return {1, value}
+  end
 end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then
