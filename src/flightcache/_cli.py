@@ -212,11 +212,80 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- mock-upstream ------------------------------------------------------------------------
+
+
+def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def non_negative_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+        return value
+
+    p = sub.add_parser(
+        "mock-upstream",
+        help="a test double of an OpenAI-compatible API (not a model), for tests and demos",
+        description=(
+            "Serve a TEST DOUBLE of an OpenAI-compatible API: it is not a model. It answers "
+            "/v1/chat/completions, /v1/completions and /v1/embeddings (stream and non-stream) "
+            "with deterministic made-up words (the same request always gets the same text) "
+            "after a configurable latency and token rate, wants any 'Authorization: Bearer' "
+            'key and never logs it. GET /stats counts the calls ({"calls": N, ...}); POST '
+            '/control with {"mode": "normal|fail|hang|rate_limit|cut", ...} switches '
+            "behaviours, POST /control/reset restores them. Stops cleanly on SIGTERM. "
+            "Needs the gateway extra: pip install 'flightcache[gateway]'."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=9000,
+        help="port to listen on; 0 picks a free one (default 9000)",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=non_negative_float,
+        default=200.0,
+        help="time to the first token in milliseconds (default 200)",
+    )
+    p.add_argument(
+        "--tokens-per-s",
+        type=_positive_float,
+        default=50.0,
+        help="tokens (words) per second after the first (default 50)",
+    )
+    p.set_defaults(handler=_run_mock_upstream)
+
+
+def _run_mock_upstream(args: argparse.Namespace) -> int:
+    try:
+        from .gateway._mock import BANNER, make_mock_app
+        from .gateway._serve_util import serve
+    except ImportError as exc:
+        print(
+            f"{PROG} mock-upstream: error: {exc}; install the gateway extra: "
+            "pip install 'flightcache[gateway]'",
+            file=sys.stderr,
+        )
+        return 2
+    app = make_mock_app(latency_ms=args.latency_ms, tokens_per_s=args.tokens_per_s)
+    try:
+        return serve(app, host=args.host, port=args.port, banner=BANNER)
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+        print(f"{PROG} mock-upstream: error: {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+
+
 # -- the parser and main ------------------------------------------------------------------
 
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_demo,
     _add_inspect,
+    _add_mock_upstream,
     _add_status,
 ]
 
