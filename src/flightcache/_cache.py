@@ -49,10 +49,15 @@ class _Slot:
     so an uncontended hit costs no future and no scheduled callback.
     """
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "key")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str) -> None:
+        self.key = key  # its key in the table: the digest, with "!" for refresh calls
         self._future: asyncio.Future[bytes] | None = None
+
+    @property
+    def waited_on(self) -> bool:
+        return self._future is not None
 
     def wait(self) -> asyncio.Future[bytes]:
         if self._future is None:
@@ -164,12 +169,16 @@ class FlightCache:
         if self._closed:
             raise FlightError("this FlightCache is closed")
         async with self._start_lock:
-            if self._flights is None:  # embedded://: start the private server once
+            if self._flights is None and not self._closed:  # embedded://: start it once
                 server = EmbeddedServer()
                 await asyncio.to_thread(server.start)
-                self._server = server
-                self._connect(server.url)
-        assert self._flights is not None
+                if self._closed:  # closed while it started: nobody else will stop it
+                    await asyncio.to_thread(server.stop)
+                else:
+                    self._server = server
+                    self._connect(server.url)
+        if self._closed or self._flights is None:
+            raise FlightError("this FlightCache is closed")
         return self._flights
 
     # -- public API ----------------------------------------------------------------------
@@ -236,36 +245,46 @@ class FlightCache:
         flights = (
             self._flights if self._flights is not None and not self._closed else await self._ready()
         )
-        slot = self._inflight.get(fk.digest)
+        # A refresh must not ride on a plain call's lookup (it would get the stored value):
+        # refresh calls coalesce among themselves, under a table key of their own.
+        table_key = fk.digest + "!" if refresh else fk.digest
+        slot = self._inflight.get(table_key)
         if slot is not None:  # local single-flight: this process already asks the server
             self._stats.coalesced += 1
             return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
-        slot = _Slot()
-        self._inflight[fk.digest] = slot
+        slot = _Slot(table_key)
+        self._inflight[table_key] = slot
         # Hit path: one GET in the caller's own task (no task, no future, no script).
         try:
             data = None if refresh else await flights.lookup(fk)
         except asyncio.CancelledError:
-            opts = self._options(canon, ttl, lease, timeout, refresh)
-            job = LoaderJob(loader, self.envelope, fk.digest)
-            self._start_flight(flights, fk, job, opts, slot)  # others may be waiting
+            if slot.waited_on:  # others wait for this lookup: the flight goes on for them
+                opts = self._options(canon, ttl, lease, timeout, refresh)
+                job = LoaderJob(loader, self.envelope, fk.digest)
+                self._start_flight(flights, fk, job, opts, slot)
+            else:  # nobody else asked: no loader runs for nobody
+                self._settle(slot, asyncio.CancelledError())
             raise
         except BaseException as exc:
-            self._settle(fk.digest, slot, exc)
+            self._settle(slot, exc)
             raise
         if data is not None:
             self._stats.hits += 1
-            self._settle(fk.digest, slot, data)
+            self._settle(slot, data)
             return self.envelope.decode(data, key=fk.digest)
         job = LoaderJob(loader, self.envelope, fk.digest)
         opts = self._options(canon, ttl, lease, timeout, refresh)
+        outcome = slot.wait()  # made before the flight can settle the slot
         self._start_flight(flights, fk, job, opts, slot)
-        return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
+        return self.envelope.decode(await asyncio.shield(outcome), key=fk.digest)
 
     def _start_flight(
         self, flights: _Flights, fk: FlightKeys, job: Job, opts: CallOptions, slot: _Slot
     ) -> None:
         """Run the flight in a task of its own, so no caller's cancellation can stop it."""
+        if self._closed:
+            self._settle(slot, FlightError("the FlightCache was closed", key=fk.digest))
+            return
         task = asyncio.ensure_future(flights.resolve(fk, job, opts))
         self._tasks.add(task)
 
@@ -273,17 +292,17 @@ class FlightCache:
             self._tasks.discard(t)
             if t.cancelled():
                 closed = FlightError("the FlightCache was closed", key=fk.digest)
-                self._settle(fk.digest, slot, closed)
+                self._settle(slot, closed)
             elif (exc := t.exception()) is not None:
-                self._settle(fk.digest, slot, exc)
+                self._settle(slot, exc)
             else:
-                self._settle(fk.digest, slot, t.result())
+                self._settle(slot, t.result())
 
         task.add_done_callback(finish)
 
-    def _settle(self, digest: str, slot: _Slot, outcome: bytes | BaseException) -> None:
-        if self._inflight.get(digest) is slot:
-            del self._inflight[digest]
+    def _settle(self, slot: _Slot, outcome: bytes | BaseException) -> None:
+        if self._inflight.get(slot.key) is slot:
+            del self._inflight[slot.key]
         slot.settle(outcome)
 
     def stream(
@@ -315,14 +334,18 @@ class FlightCache:
         fk = self.keyspace.for_digest(digest_of(canon))
         opts = self._options(canon, ttl, lease, timeout, refresh)
         self._stats.streams += 1
+        table_key = fk.digest + "!" if refresh else fk.digest
 
         def attach() -> tuple[LocalStream, bool]:
-            local = self._streams.get(fk.digest)
+            local = self._streams.get(table_key)
             if local is not None:  # local single-flight for streams
                 self._stats.coalesced += 1
                 return local, True
-            local = LocalStream(fk.digest)
-            self._streams[fk.digest] = local
+            local = LocalStream(fk.digest, table_key)
+            if self._closed:
+                local.fail(FlightError("this FlightCache is closed", key=fk.digest))
+                return local, False
+            self._streams[table_key] = local
             task = asyncio.ensure_future(self._run_stream(fk, producer, opts, local))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -351,8 +374,8 @@ class FlightCache:
         except BaseException as exc:
             local.fail(exc)
         finally:
-            if self._streams.get(fk.digest) is local:
-                del self._streams[fk.digest]
+            if self._streams.get(local.table_key) is local:
+                del self._streams[local.table_key]
 
     def _stream_chunks(self, data: bytes, fk: FlightKeys) -> list[Any]:
         if not self.envelope.is_stream(data) and not self.envelope.is_error(data):
@@ -430,11 +453,14 @@ class FlightCache:
         if self._closed:
             return
         self._closed = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
+        while self._tasks:  # a call that was mid-lookup may not start a flight any more
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.difference_update(tasks)
+        async with self._start_lock:  # an embedded server still starting is stopped there
+            pass
         if self._conn is not None:
             await self._conn.aclose()
         if self._server is not None:

@@ -26,6 +26,19 @@ STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chun
 MAX_ERROR_MESSAGE = 2000
 
 
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # a __str__ that raises must not stop the error from being reported
+        return f"<{type(exc).__name__} with an unprintable message>"
+
+
+def _clean(text: str) -> str:
+    """At most MAX_ERROR_MESSAGE characters of valid UTF-8 (lone surrogates escaped)."""
+    text = text[:MAX_ERROR_MESSAGE]
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class Codec(Protocol):
     tag: bytes
 
@@ -158,8 +171,8 @@ class Envelope:
         if isinstance(exc, RemoteError):
             kind, message = exc.type_name, exc.remote_message
         else:
-            kind, message = type(exc).__name__, str(exc)
-        record: dict[str, Any] = {"type": kind, "message": message[:MAX_ERROR_MESSAGE]}
+            kind, message = type(exc).__name__, _text(exc)
+        record: dict[str, Any] = {"type": _clean(kind), "message": _clean(message)}
         if isinstance(exc, FlightTimeout):
             record["flight"] = "timeout"
         if isinstance(exc, StreamRestarted):

@@ -15,7 +15,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from ._codec import Envelope
@@ -23,14 +23,14 @@ from ._errors import FlightError, FlightTimeout, SerializationError, ValueTooLar
 from ._heartbeat import Heartbeat
 from ._jobs import Job
 from ._keys import FlightKeys, KeySpace
-from ._loader import error_ttl_ms, wait_bounded
+from ._loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from ._redis import RedisConnection
 from ._types import CallOptions, FlightInfo, Stats
 
 log_claim = logging.getLogger("flightcache.claim")
 log_follow = logging.getLogger("flightcache.follow")
 
-HIT, FOLLOW, CLAIMED, VACANT = 1, 2, 3, 0
+HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +55,25 @@ class _State:
     rank: int = -1
     last_id: bytes = b"0-0"
     claim_id: str = ""
+    since: bytes = b""  # the stream position of the flight this caller last took part in
+    ended: bytes = b""  # ENDED: b"done" or b"error"
+    count: int | None = None  # ENDED: a stream's chunk count
 
 
 def _state(reply: list[object], claim_id: str) -> _State:
     kind = int(reply[0])  # type: ignore[call-overload]
-    if kind == CLAIMED:
-        return _State(CLAIMED, claim_id=claim_id)
+    if kind == CLAIMED:  # last_id: the claim's own stream entry
+        return _State(CLAIMED, claim_id=claim_id, last_id=reply[2])  # type: ignore[arg-type]
     if kind == HIT:
         return _State(HIT, value=reply[1])  # type: ignore[arg-type]
+    if kind == ENDED:
+        ended, value, count = reply[1], reply[2], reply[3]
+        return _State(
+            ENDED,
+            ended=ended,  # type: ignore[arg-type]
+            value=value or None,  # type: ignore[arg-type]
+            count=int(count) if count else None,  # type: ignore[call-overload]
+        )
     if kind == FOLLOW:
         return _State(
             FOLLOW,
@@ -136,13 +147,18 @@ class RedisFlights:
         """The stored result of the flight (value, stream or error record), or ``b""`` for a
         stream whose every chunk this process already has."""
         deadline = self.clock() + opts.wait_bound_s
-        state = await self._join(fk, opts, "always")
+        state = await self._join(fk, opts, "always", refresh=opts.refresh)
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
             return state.value
         self.stats.misses += 1
         takeover = False
+        # Where on the flight's stream this caller was last: a later join reports an end
+        # of that flight written since (ENDED) instead of starting another flight. With
+        # refresh, every join ignores the stored result (it is the one being replaced) and
+        # this position is how the flight's own new result is still found.
+        since = b""
         while True:
             if self.clock() >= deadline:
                 raise FlightTimeout(
@@ -153,11 +169,11 @@ class RedisFlights:
                 return state.value
             if state.kind == FOLLOW:
                 self.stats.follows += 1
-                job.on_follow()
+                job.on_follow(state.last_id)
                 outcome = await self._follow(fk, job, state, opts, deadline)
                 if isinstance(outcome, bytes):
                     return outcome
-                state, takeover = outcome, True
+                state, takeover, since = outcome, True, outcome.since or since
                 continue
             if state.kind == VACANT:
                 # The owner died and this caller is not first in the queue: give the ones
@@ -166,21 +182,50 @@ class RedisFlights:
                 step = self.tuning.takeover_step_s
                 delay = min(rank, self.tuning.takeover_max_rank) * step
                 await asyncio.sleep(delay + random.uniform(0, step / 2))  # takeover jitter
-                state = await self._join(fk, opts, "always")
+                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
                 continue
+            if state.kind == ENDED:
+                ended = self._ended(state, job)
+                if ended is not None:
+                    return ended
+                state = await self._join(fk, opts, "always", refresh=opts.refresh)
+                continue
+            since = state.last_id  # our own claim's entry
             confirmed = await self._confirm(fk, opts, state.claim_id)
             if confirmed is None:  # the claim lapsed before its token arrived
-                state = await self._join(fk, opts, "always")
+                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
                 continue
             if takeover:
                 self.stats.takeovers += 1
             try:
                 return await self._own(fk, job, opts, *confirmed)
             except _Lost:
-                state, takeover = await self._join(fk, opts, "always"), False
+                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
+                takeover = False
 
-    async def _join(self, fk: FlightKeys, opts: CallOptions, claim: str) -> _State:
-        """Hit, follow, or claim (mode 'always', or 'first' in the waiters queue)."""
+    def _ended(self, state: _State, job: Job) -> bytes | None:
+        """What a caller gets from a flight that ended after its position, if usable."""
+        if state.value is not None:  # the error record, or the value inline in `done`
+            return state.value
+        if state.count is not None and job.has_all(state.count):
+            return b""  # a stream whose chunks this process has
+        return None  # a done whose value is gone: start over
+
+    async def _join(
+        self,
+        fk: FlightKeys,
+        opts: CallOptions,
+        claim: str,
+        *,
+        refresh: bool = False,
+        since: bytes = b"",
+    ) -> _State:
+        """Hit, follow, or claim (mode 'always', or 'first' in the waiters queue).
+
+        ``refresh`` ignores a stored result (only a refresh call's first join: later, a
+        result is the one its own flight stored). ``since`` is a follower's stream position:
+        an end of its flight after it is reported (ENDED) rather than claimed over.
+        """
         claim_id = secrets.token_hex(8)
         reply = await self.conn.script(
             "join_flight",
@@ -195,7 +240,8 @@ class RedisFlights:
                 int(opts.timeout_s * 1000),
                 opts.key_text,
                 opts.lease_ms + self.tuning.stream_linger_ms,
-                "1" if opts.refresh else "0",
+                "1" if refresh else "0",
+                since,
             ),
         )
         return _state(reply, claim_id)
@@ -254,11 +300,16 @@ class RedisFlights:
         ).start()
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
-        except asyncio.CancelledError:
+        except WorkCancelled:
             await heartbeat.stop()
             if heartbeat.lost:
                 self.stats.lease_lost += 1
                 raise _Lost() from None
+            error = cancelled_loader_error(fk.digest)
+            await self._publish_error(fk, token, error, ttl_ms=0)
+            raise error from None
+        except asyncio.CancelledError:
+            await heartbeat.stop()
             await self._give_back(fk, token)  # we are being closed: let a follower claim now
             raise
         except _Lost:
@@ -380,7 +431,7 @@ class RedisFlights:
                     kind = fields.get(b"t")
                     if kind == b"claimed":  # past our position: the owner we followed died
                         log_follow.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
-                        job.on_claimed()
+                        job.on_claimed(entry_id)
                         continue
                     tok = int(fields.get(b"tok", 0))
                     if tok < newest:
@@ -398,16 +449,21 @@ class RedisFlights:
                             value = await self.lookup(fk)
                         if value is not None:
                             return bytes(value)
-                        return await self._join(fk, opts, "always")  # result gone already
+                        # the result is gone already (evicted, or a tiny TTL): start over
+                        return await self._join(fk, opts, "always", refresh=opts.refresh)
                     if kind == b"error":
                         return bytes(fields.get(b"v", b""))
                     if kind == b"reset":
-                        return await self._join(fk, opts, "first")
+                        now = await self._join(
+                            fk, opts, "first", refresh=opts.refresh, since=entry_id
+                        )
+                        return replace(now, since=entry_id)
                 lease_left = opts.lease_ms
                 continue
             # The block ran out with no event: is the owner still alive?
-            now = await self._join(fk, opts, "first")
+            now = await self._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
             if now.kind != FOLLOW:
-                return now
+                return replace(now, since=last_id)
+            job.on_follow(now.last_id)
             newest, last_id = max(newest, now.token), now.last_id
             lease_left = now.lease_left_ms

@@ -16,6 +16,8 @@ from ._errors import ValueTooLarge
 from ._streaming import COALESCED, MISS, LocalStream
 from ._types import Loader
 
+OWN = b"own"  # the generation of chunks this process produced itself
+
 Producer = Callable[[], AsyncIterator[Any]]
 Append = Callable[[int, Sequence[bytes]], Awaitable[None]]
 """Publishes chunks ``first_seq, first_seq+1, ...`` to followers; raises if fenced off."""
@@ -35,10 +37,10 @@ class LoaderJob:
         value = await self.loader()
         return self.envelope.encode(value, key=self.digest)
 
-    def on_follow(self) -> None:
-        """This process follows another process's flight."""
+    def on_follow(self, claim_entry: bytes) -> None:
+        """This process follows the flight whose claim is the stream entry ``claim_entry``."""
 
-    def on_claimed(self) -> None:
+    def on_claimed(self, claim_entry: bytes) -> None:
         """A new owner claimed the flight (the one this process followed died)."""
 
     def on_chunk(self, seq: int, data: bytes) -> None:
@@ -65,10 +67,12 @@ class StreamJob:
         self.envelope = envelope
         self.digest = digest
         self.local = local
+        self.generation: bytes | None = None  # the claim whose chunks `local` holds
 
     async def run(self, append: Append | None) -> bytes:
         self.local.opened(MISS)
         self.local.restart()  # a takeover: chunks of an earlier owner must not mix with ours
+        self.generation = OWN
         chunks: list[Any] = []
         pending: list[bytes] = []
         sent = 0
@@ -108,11 +112,18 @@ class StreamJob:
                 inflight.cancel()
         return self.envelope.encode_stream(chunks, key=self.digest)
 
-    def on_follow(self) -> None:
+    def on_follow(self, claim_entry: bytes) -> None:
         self.local.opened(COALESCED)
+        self._generation(claim_entry)
 
-    def on_claimed(self) -> None:
-        self.local.restart()
+    def on_claimed(self, claim_entry: bytes) -> None:
+        self._generation(claim_entry)
+
+    def _generation(self, claim_entry: bytes) -> None:
+        """Chunks belong to one claim; a different claim means the chunks start over."""
+        if self.generation is not None and claim_entry != self.generation:
+            self.local.restart()
+        self.generation = claim_entry
 
     def on_chunk(self, seq: int, data: bytes) -> None:
         if seq == len(self.local.chunks):

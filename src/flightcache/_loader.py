@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ._errors import FlightTimeout
+from ._errors import FlightError, FlightTimeout
 from ._types import CallOptions
 
 log = logging.getLogger("flightcache.loader")
@@ -40,7 +40,21 @@ async def wait_bounded(task: asyncio.Future[bytes], timeout_s: float, digest: st
             log.error("flight %s: loader ignored cancellation; abandoned", digest)
             task.add_done_callback(_retrieve)
         raise FlightTimeout(f"loader ran past its timeout of {timeout_s:g} s", key=digest)
+    if task.cancelled():  # not by our caller: by the heartbeat, or the loader raised it itself
+        raise WorkCancelled(digest)
     return task.result()
+
+
+class WorkCancelled(Exception):
+    """The loader's task ended cancelled while the flight itself was not being cancelled."""
+
+
+def cancelled_loader_error(digest: str) -> FlightError:
+    return FlightError(
+        "the loader was cancelled without a timeout, a lost lease or a close "
+        "(it raised CancelledError itself)",
+        key=digest,
+    )
 
 
 def _retrieve(task: asyncio.Future[bytes]) -> None:

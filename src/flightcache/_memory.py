@@ -16,7 +16,7 @@ from ._codec import Envelope
 from ._errors import FlightTimeout, SerializationError, ValueTooLarge
 from ._jobs import Job
 from ._keys import FlightKeys
-from ._loader import error_ttl_ms, wait_bounded
+from ._loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from ._types import CallOptions, FlightInfo, Stats
 
 
@@ -63,6 +63,8 @@ class MemoryFlights:
         except FlightTimeout:
             self.stats.timeouts += 1
             raise
+        except WorkCancelled:
+            raise cancelled_loader_error(fk.digest) from None
         except (ValueTooLarge, SerializationError):
             raise
         except Exception as exc:

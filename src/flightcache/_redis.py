@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib.resources import files
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -33,18 +33,28 @@ SCRIPT_NAMES = (
 
 
 def safe_url(url: str) -> str:
-    """The URL with any password replaced, fit for logs and error messages."""
+    """The URL with any password replaced, fit for logs and error messages.
+
+    The password may sit before the ``@`` or in the query (``?password=``, the form redis-py
+    documents for ``unix://``); both are masked. A URL that does not parse shows as such.
+    """
     try:
         parts = urlsplit(url)
+        port = parts.port
+        query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:
         return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, "", ""))
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
+    masked = [(k, "***" if k.lower() in SECRET_PARAMS else v) for k, v in query]
+    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(masked, safe="*"), ""))
+
+
+SECRET_PARAMS = {"password", "pass", "pwd", "secret", "token"}
 
 
 class BoundedPool(aioredis.ConnectionPool):
@@ -79,7 +89,21 @@ class BoundedPool(aioredis.ConnectionPool):
         else:
             await self._slots.acquire()
         try:
-            connection = await super().get_connection()  # type: ignore[no-untyped-call]
+            if self._op_timeout is not None and not self._idle_connected():
+                # A new connection's handshake (HELLO, CLIENT SETNAME) reads with no socket
+                # timeout in this pool, and the sweeper only sees checked-out connections:
+                # bound the connect here, so a frozen server cannot hang it.
+                connection = await asyncio.wait_for(
+                    super().get_connection(),  # type: ignore[no-untyped-call]
+                    self._op_timeout,
+                )
+            else:
+                connection = await super().get_connection()  # type: ignore[no-untyped-call]
+        except asyncio.TimeoutError as exc:
+            self._slots.release()
+            raise rexc.ConnectionError(
+                f"connecting took longer than {self._op_timeout:g} s"
+            ) from exc
         except BaseException:
             self._slots.release()
             raise
@@ -87,6 +111,11 @@ class BoundedPool(aioredis.ConnectionPool):
         if self._op_timeout is not None and self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(self._op_timeout))
         return connection
+
+    def _idle_connected(self) -> bool:
+        """Whether the next checkout reuses a live connection (no handshake to bound)."""
+        idle: Any = getattr(self, "_available_connections", None)
+        return bool(idle) and bool(getattr(idle[-1], "is_connected", False))
 
     async def release(self, connection: Any) -> None:
         try:

@@ -20,8 +20,9 @@ HIT, MISS, COALESCED = "HIT", "MISS", "COALESCED"
 class LocalStream:
     """Chunks of one stream flight in this process, and who waits for more."""
 
-    def __init__(self, digest: str) -> None:
+    def __init__(self, digest: str, table_key: str | None = None) -> None:
         self.digest = digest
+        self.table_key = table_key or digest
         self.chunks: list[Any] = []
         self.generation = 0
         self.done = False

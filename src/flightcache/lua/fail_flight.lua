@@ -2,13 +2,14 @@
 -- KEYS[1] result   KEYS[2] meta   KEYS[3] stream   KEYS[4] waiters
 -- ARGV[1] token   ARGV[2] event type: 'error' (followers raise) or 'reset' (followers
 --         may claim at once)   ARGV[3] encoded error record ('' for reset)
--- ARGV[4] negative-cache TTL ms (0: cache nothing)   ARGV[5] stream linger ms
+-- ARGV[4] negative-cache TTL ms (0: cache nothing; never over a stored value)   ARGV[5] stream linger ms
 -- Returns 1 published, 0 fenced: the token is not the current owner's, nothing was written
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
 end
 if tonumber(ARGV[4]) > 0 then
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+  -- NX: an error never replaces a stored value (a failed refresh leaves the old one)
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4], 'NX')
 end
 redis.call('XADD', KEYS[3], '*', 't', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])

@@ -8,6 +8,8 @@
 -- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms
 -- ARGV[9] '1' to refresh: a stored result does not count (follow a running flight or claim
 --         one that will overwrite it), '0' otherwise
+-- ARGV[10] a follower's stream position ('' for none): if the flight it followed ended
+--         after it (an error or done whose result is not stored), say so instead of claiming
 -- Returns {1, value}                        hit: the stored value (or error record)
 --         {2, token, lease_left_ms, rank, from_id}
 --                                           follow: a flight is live; token is '0' while its
@@ -15,10 +17,13 @@
 --                                           waiters at 0-based position `rank`; `from_id` is
 --                                           this flight's `claimed` event: every chunk and
 --                                           the end of the flight come after it
---         {3, attempts}                     claimed: meta is CLAIMING under the claim id, and
+--         {3, attempts, entry}              claimed: meta is CLAIMING under the claim id, and
 --                                           a `claimed` event is on the stream, the first
---                                           entry left on it (earlier flights are trimmed)
+--                                           entry left on it (earlier flights are trimmed),
+--                                           whose id is `entry`
 --         {0, rank}                         vacant and not claimed: not first in the queue
+--         {4, type, v, n}                   ended: the newest event after ARGV[10] is a
+--                                           `done` or `error` (v, n: its fields, or '')
 if ARGV[9] ~= '1' then
   local value = redis.call('GET', KEYS[1])
   if value then
@@ -34,6 +39,17 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
   return {2, token, redis.call('PTTL', KEYS[2]), rank, from}
+end
+if ARGV[10] ~= '' then
+  local tail = redis.call('XREVRANGE', KEYS[4], '+', '(' .. ARGV[10], 'COUNT', 1)
+  if tail[1] then
+    local f = tail[1][2]
+    local fields = {}
+    for i = 1, #f, 2 do fields[f[i]] = f[i + 1] end
+    if fields['t'] == 'done' or fields['t'] == 'error' then
+      return {4, fields['t'], fields['v'] or '', fields['n'] or ''}
+    end
+  end
 end
 if ARGV[3] == 'first' and rank ~= 0 then
   return {0, rank or -1}
@@ -62,4 +78,4 @@ redis.call('PEXPIRE', KEYS[4], ARGV[8])
 redis.call('HSET', KEYS[2], 'claimEntry', entry)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('LREM', KEYS[3], 0, ARGV[1])
-return {3, attempts}
+return {3, attempts, entry}
