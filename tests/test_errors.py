@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis.asyncio as aioredis
@@ -16,6 +16,7 @@ from flightcache import (
     MISSING,
     BackendUnavailable,
     ConfigError,
+    EmbeddedServer,
     FlightCache,
     FlightTimeout,
     RemoteError,
@@ -308,3 +309,58 @@ async def test_a_frozen_server_fails_calls_within_the_socket_timeout(
 
 async def slow_ok() -> str:
     return "ok"
+
+
+def test_a_custom_codec_cannot_take_a_reserved_tag() -> None:
+    class Sneaky:
+        tag = b"S"
+
+        def dumps(self, value: Any) -> bytes:
+            return b""
+
+        def loads(self, data: bytes) -> Any:
+            return None
+
+    with pytest.raises(ConfigError, match="tag"):
+        FlightCache("memory://", codec=Sneaky())
+
+
+async def test_error_details_and_ttls_from_a_loader_are_bounded(make_cache: Any) -> None:
+    """An infinite negative-cache TTL is clamped, oversized details are dropped; the error
+    itself always reaches every caller."""
+    owner, other = make_cache(), make_cache()
+    gate = asyncio.Event()
+
+    class Huge(Exception):
+        flightcache_error_ttl = float("inf")
+        flightcache_data: ClassVar[dict[str, str]] = {"blob": "x" * 200_000}
+
+    async def failing() -> str:
+        await gate.wait()
+        raise Huge("too much detail")
+
+    local = asyncio.ensure_future(owner.do("q", failing))
+    await asyncio.sleep(0.1)
+    remote = asyncio.ensure_future(other.do("q", failing))
+    await asyncio.sleep(0.1)
+    gate.set()
+    with pytest.raises(Huge):
+        await local
+    with pytest.raises(RemoteError, match="too much detail") as info:
+        await asyncio.wait_for(remote, 5)
+    assert info.value.data is None
+
+
+async def test_an_exhausted_pool_says_so(server: EmbeddedServer) -> None:
+    from flightcache._redis import RedisConnection
+    from flightcache._types import Stats
+
+    conn = RedisConnection(server.url, stats=Stats(), max_connections=1, socket_timeout=0.2)
+    conn.client.connection_pool._wait_timeout = 0.2  # type: ignore[attr-defined]
+    held = await conn.client.connection_pool.get_connection()
+    try:
+        with pytest.raises(BackendUnavailable, match="stayed busy"):
+            await conn.run(lambda: conn.client.get("x"))
+    finally:
+        await conn.client.connection_pool.release(held)
+        await conn.aclose()

@@ -262,3 +262,101 @@ async def test_a_refreshed_stream_replaces_the_stored_one(
     assert await collect(fresh) == ["c"]
     assert fresh.source == "MISS"
     assert await collect(fc.stream("q", producer_of(["x"]))) == ["c"]
+
+
+async def test_chunks_reach_remote_followers_while_the_producer_pauses(make_cache: Any) -> None:
+    """A chunk made while an append was on the wire goes out when that append returns, not
+    with the producer's next chunk."""
+    owner, follower = make_cache(), make_cache()
+    gate = asyncio.Event()
+    made: dict[int, float] = {}
+
+    async def produce() -> AsyncIterator[int]:
+        await gate.wait()
+        for n in range(4):
+            made[n] = time.monotonic()
+            yield n
+        await asyncio.sleep(1.5)  # thinking
+        yield 4
+
+    seen: dict[int, float] = {}
+
+    async def follow(stream: Any) -> None:
+        async for chunk in stream:
+            seen[chunk] = time.monotonic()
+
+    own = asyncio.ensure_future(collect(owner.stream("q", produce)))
+    await asyncio.sleep(0.05)
+    theirs = follower.stream("q", produce)
+    assert await asyncio.wait_for(theirs.opened(), 5) == "COALESCED"
+    gate.set()
+    await asyncio.gather(own, follow(theirs))
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    assert seen[3] - made[3] < 0.5
+
+
+async def test_followers_get_every_chunk_made_before_the_producer_failed(make_cache: Any) -> None:
+    owner, follower = make_cache(error_ttl=0), make_cache(error_ttl=0)
+    gate = asyncio.Event()
+
+    async def produce() -> AsyncIterator[int]:
+        await gate.wait()
+        for n in range(50):
+            yield n
+        raise RuntimeError("upstream went away")
+
+    async def drain(stream: Any, into: list[int]) -> None:
+        async for chunk in stream:
+            into.append(chunk)
+
+    mine: list[int] = []
+    theirs: list[int] = []
+    own = asyncio.ensure_future(drain(owner.stream("q", produce), mine))
+    await asyncio.sleep(0.05)
+    other = asyncio.ensure_future(drain(follower.stream("q", produce), theirs))
+    await asyncio.sleep(0.1)
+    gate.set()
+    with pytest.raises(RuntimeError):
+        await own
+    with pytest.raises(RemoteError, match="upstream went away"):
+        await other
+    assert mine == theirs == list(range(50))
+
+
+async def test_the_size_limit_covers_the_stored_stream_not_just_its_chunks(
+    backend_url: str, make_cache: Any
+) -> None:
+    """Ten 9-byte chunks fit in 100 bytes; the stored list (tags, brackets, commas) does not."""
+    fc = make_cache(backend_url, max_value_bytes=100)
+    delivered: list[str] = []
+    with pytest.raises(ValueTooLarge):
+        async for chunk in fc.stream("q", producer_of(["1234567"] * 10)):
+            delivered.append(chunk)
+    assert len(delivered) < 10  # refused before the whole stream went out, not after
+    assert await fc.get("q") is MISSING
+
+
+async def test_a_takeover_of_a_stream_that_had_chunks_counts_as_a_new_attempt(
+    make_cache: Any, redis_client: Any
+) -> None:
+    fc = make_cache()
+    fk = fc.keyspace.flight("q")
+    # What a stream owner that died after two chunks leaves behind (its meta has lapsed).
+    await redis_client.xadd(fk.stream, {"t": "claimed", "n": "dead", "a": "1", "c": "x"})
+    await redis_client.xadd(fk.stream, {"t": "chunk", "tok": "5", "s": "0", "v": "1"})
+    await redis_client.xadd(fk.stream, {"t": "chunk", "tok": "5", "s": "1", "v": "2"})
+    gate = asyncio.Event()
+
+    async def produce() -> AsyncIterator[int]:
+        await gate.wait()
+        yield 1
+
+    task = asyncio.ensure_future(collect(fc.stream("q", produce)))
+    for _ in range(100):
+        info = await fc.inspect("q")
+        if info.state == "running":
+            break
+        await asyncio.sleep(0.01)
+    assert info.attempts == 2
+    gate.set()
+    assert await task == [1]

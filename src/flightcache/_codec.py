@@ -24,6 +24,7 @@ from ._errors import (
 ERROR_TAG = b"e"
 STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chunks
 MAX_ERROR_MESSAGE = 2000
+MAX_ERROR_RECORD = 64 * 1024  # an error's details past this are dropped (the error is kept)
 
 
 def _text(exc: BaseException) -> str:
@@ -98,7 +99,11 @@ def make_codec(codec: str | Codec) -> Codec:
     if isinstance(codec, str):
         raise ConfigError(f"unknown codec {codec!r}: use 'json', 'msgpack', 'pickle' or an object")
     tag = getattr(codec, "tag", None)
-    if not isinstance(tag, bytes) or len(tag) != 1 or tag in (ERROR_TAG, b"j", b"m", b"p"):
+    if (
+        not isinstance(tag, bytes)
+        or len(tag) != 1
+        or tag in (ERROR_TAG, STREAM_TAG, b"j", b"m", b"p")
+    ):
         raise ConfigError("a custom codec needs a one-byte .tag not used by the built-in codecs")
     return codec
 
@@ -182,9 +187,11 @@ class Envelope:
             details = exc.data
         if details is not None:
             try:
-                return ERROR_TAG + orjson.dumps({**record, "data": details})
+                encoded = orjson.dumps({**record, "data": details})
             except TypeError:
-                pass  # details that are not JSON are dropped, never the error itself
+                encoded = b""  # details that are not JSON are dropped, never the error itself
+            if 0 < len(encoded) <= MAX_ERROR_RECORD:
+                return ERROR_TAG + encoded
         return ERROR_TAG + orjson.dumps(record)
 
     @staticmethod

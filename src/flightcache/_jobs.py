@@ -8,6 +8,7 @@ the encoded result that is stored and handed to every caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from ._errors import ValueTooLarge
 from ._streaming import COALESCED, MISS, LocalStream
 from ._types import Loader
 
+STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack array prefix)
 OWN = b"own"  # the generation of chunks this process produced itself
 
 Producer = Callable[[], AsyncIterator[Any]]
@@ -76,40 +78,52 @@ class StreamJob:
         chunks: list[Any] = []
         pending: list[bytes] = []
         sent = 0
-        total = 0
+        size = STREAM_OVERHEAD  # the stored list: tags, brackets and one separator a chunk
         limit = self.envelope.max_value_bytes
-        inflight: asyncio.Future[None] | None = None
+        flusher: asyncio.Future[None] | None = None
 
-        async def flush() -> None:
+        async def drain() -> None:
+            """Send everything pending, batch after batch, until nothing is left."""
             nonlocal sent
-            batch = pending[:]
-            del pending[:]
             assert append is not None
-            await append(sent, batch)
-            sent += len(batch)
+            while pending:
+                batch = pending[:]
+                del pending[:]
+                await append(sent, batch)
+                sent += len(batch)
 
         try:
             async for chunk in self.producer():
                 data = self.envelope.encode_chunk(chunk, key=self.digest)
-                total += len(data)
-                if total > limit:
-                    raise ValueTooLarge(total, limit, key=self.digest)
+                size += len(data) + 1
+                if size > limit:
+                    raise ValueTooLarge(size, limit, key=self.digest)
                 value = self.envelope.decode_chunk(data, key=self.digest)
                 chunks.append(value)
                 self.local.publish(value)
                 if append is not None:
                     pending.append(data)
-                    if inflight is None or inflight.done():
-                        if inflight is not None:
-                            inflight.result()  # a fenced append ends the run here
-                        inflight = asyncio.ensure_future(flush())
-            if inflight is not None:
-                await inflight
-            if pending:
-                await flush()
-        finally:
-            if inflight is not None and not inflight.done():
-                inflight.cancel()
+                    if flusher is None or flusher.done():
+                        if flusher is not None:
+                            flusher.result()  # a fenced append ends the run here
+                        flusher = asyncio.ensure_future(drain())
+        except Exception:
+            # The producer failed: followers still get every chunk it made before, so all
+            # callers see the same prefix before the error (best effort: fenced is fenced).
+            if append is not None:
+                with contextlib.suppress(Exception):
+                    if flusher is not None:
+                        await flusher
+                    await drain()
+            raise
+        except BaseException:
+            if flusher is not None:
+                flusher.cancel()
+            raise
+        if flusher is not None:
+            await flusher
+        if pending:
+            await drain()
         return self.envelope.encode_stream(chunks, key=self.digest)
 
     def on_follow(self, claim_entry: bytes) -> None:

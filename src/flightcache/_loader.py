@@ -18,8 +18,11 @@ def error_ttl_ms(exc: BaseException, opts: CallOptions) -> int:
     (seconds, 0 for not at all) when it has one, else the cache's ``error_ttl``."""
     ttl = getattr(exc, "flightcache_error_ttl", None)
     if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= 0:
-        return int(ttl * 1000)
+        return int(min(ttl, MAX_ERROR_TTL_S) * 1000)  # inf and huge values are clamped
     return opts.error_ttl_ms
+
+
+MAX_ERROR_TTL_S = 86400.0
 
 
 async def wait_bounded(task: asyncio.Future[bytes], timeout_s: float, digest: str) -> bytes:

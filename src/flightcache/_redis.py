@@ -196,8 +196,10 @@ class RedisConnection:
         try:
             return await op()
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            detail = str(exc)[:200] if isinstance(exc, rexc.RedisError) else ""
             raise BackendUnavailable(
                 f"cannot reach Redis at {self.safe_url}: {type(exc).__name__}"
+                + (f" ({detail})" if detail else "")
             ) from exc
         except rexc.ResponseError as exc:
             if "WRONGTYPE" in str(exc) and fk is not None:

@@ -54,16 +54,21 @@ end
 if ARGV[3] == 'first' and rank ~= 0 then
   return {0, rank or -1}
 end
--- Vacant: claim it. If the newest event is a claim, its owner died mid-flight: this claim
--- is a takeover and counts as one more attempt.
+-- Vacant: claim it. Claims trim the stream, so its first entry is the previous flight's
+-- claim; if the newest entry does not end that flight, its owner died mid-flight: this
+-- claim is a takeover and counts as one more attempt.
 local attempts = 1
+local first = redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', 1)
 local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-if newest[1] then
-  local f = newest[1][2]
-  local fields = {}
-  for i = 1, #f, 2 do fields[f[i]] = f[i + 1] end
-  if fields['t'] == 'claimed' then
-    attempts = (tonumber(fields['a']) or 1) + 1
+if first[1] and newest[1] then
+  local function fields_of(entry)
+    local f, out = entry[2], {}
+    for i = 1, #f, 2 do out[f[i]] = f[i + 1] end
+    return out
+  end
+  local opened, last = fields_of(first[1]), fields_of(newest[1])
+  if opened['t'] == 'claimed' and last['t'] ~= 'done' and last['t'] ~= 'error' then
+    attempts = (tonumber(opened['a']) or 1) + 1
   end
 end
 local now = redis.call('TIME')
