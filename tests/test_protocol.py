@@ -33,11 +33,14 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     conn = fc._conn
     await redis_client.hset(fk.meta, mapping={"ownerToken": "7", "status": "RUNNING"})
     keys = (fk.result, fk.meta, fk.stream, fk.waiters)
-    stale = await conn.script("complete_flight", fk, keys, (6, b"jstale", 60_000, "1", 1000, 100))
+    done_keys = (*keys, fk.marker)
+    stale = await conn.script(
+        "complete_flight", fk, done_keys, (6, b"jstale", 60_000, "1", 1000, "")
+    )
     assert stale == 0
     assert await redis_client.get(fk.result) is None
     assert await redis_client.xlen(fk.stream) == 0
-    failed = await conn.script("fail_flight", fk, keys, (6, "error", b"e{}", 1000, 1000, 100))
+    failed = await conn.script("fail_flight", fk, keys, (6, "error", b"e{}", 1000, 1000))
     assert failed == 0
     renewed = await conn.script(
         "renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
@@ -45,7 +48,7 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     assert renewed == 0
     assert await redis_client.pttl(fk.meta) == -1  # untouched: no expiry was set
     current = await conn.script(
-        "complete_flight", fk, keys, (7, b"jcurrent", 60_000, "1", 1000, 100)
+        "complete_flight", fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "")
     )
     assert current == 1
     assert await redis_client.get(fk.result) == b"jcurrent"

@@ -8,7 +8,8 @@ import inspect as _inspect
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ._codec import Codec, Envelope, make_codec
@@ -18,6 +19,8 @@ from ._flight import RedisFlights, Tuning
 from ._jobs import Job, LoaderJob, Producer, StreamJob
 from ._keys import FlightKeys, KeySpace, canonical, describe_canonical, digest_of
 from ._memory import MemoryFlights
+from ._near import Leaser, NearCache
+from ._nodes import Invalidation, NodeAgent, NodeInfo
 from ._redis import RedisConnection, safe_url
 from ._streaming import HIT, FlightStream, LocalStream
 from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
@@ -102,6 +105,12 @@ class FlightCache:
         codec: str | Codec = "json",
         socket_timeout: float = 10.0,
         max_connections: int = 64,
+        near_cache: bool = True,
+        near_lease: float = 5.0,
+        near_max_entries: int = 10_000,
+        near_max_bytes: int = 64 * 1024 * 1024,
+        skew_margin: float = 0.25,
+        node_ttl: float = 6.0,
         tuning: Tuning | None = None,
     ) -> None:
         if not isinstance(url, str):
@@ -131,6 +140,22 @@ class FlightCache:
         if max_connections < 2:
             raise ConfigError(f"max_connections must be an int >= 2: {max_connections!r}")
         self._max_connections = max_connections
+        self.skew_margin = _seconds("skew_margin", skew_margin, minimum=-1e-9)
+        self.near_lease = _seconds("near_lease", near_lease, minimum=self.skew_margin)
+        self.node_ttl = _seconds("node_ttl", node_ttl, minimum=0.05)
+        for name, bound in (
+            ("near_max_entries", near_max_entries),
+            ("near_max_bytes", near_max_bytes),
+        ):
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ConfigError(f"{name} must be an int >= 1: {bound!r}")
+        self._near_settings = (near_cache, near_max_entries, near_max_bytes)
+        self._near: NearCache | None = None
+        self._agent: NodeAgent | None = None
+        self._leaser: Leaser | None = None
+        self._redis_flights: RedisFlights | None = None
+        self._started = False
+        self._warned_ttls: set[int] = set()
         self._inflight: dict[str, _Slot] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._streams: dict[str, LocalStream] = {}
@@ -159,12 +184,34 @@ class FlightCache:
             max_connections=self._max_connections,
             client_name=f"flightcache:{self.node_id}".replace(" ", "_"),
         )
-        self._flights = RedisFlights(
+        self._flights = self._redis_flights = RedisFlights(
             self._conn, self.keyspace, self.envelope, self._stats, self.node_id, self._tuning
         )
+        enabled, max_entries, max_bytes = self._near_settings
+        if enabled:
+            self._near = NearCache(max_entries=max_entries, max_bytes=max_bytes)
+        self._agent = NodeAgent(
+            self._conn,
+            self.keyspace,
+            self.node_id,
+            self._near,
+            near_lease_s=self.near_lease,
+            skew_margin_s=self.skew_margin,
+            node_ttl_s=self.node_ttl,
+            owned=lambda: self._stats.owning,
+        )
+        if self._near is not None:
+            agent = self._agent
+            self._leaser = Leaser(
+                self._near,
+                lease_s=self.near_lease,
+                skew_margin_s=self.skew_margin,
+                heard=lambda: agent.seq,
+            )
 
     async def _ready(self) -> _Flights:
-        if self._flights is not None and not self._closed:
+        if self._started and not self._closed:
+            assert self._flights is not None
             return self._flights
         if self._closed:
             raise FlightError("this FlightCache is closed")
@@ -177,6 +224,10 @@ class FlightCache:
                 else:
                     self._server = server
                     self._connect(server.url)
+            if not self._started and not self._closed:
+                if self._agent is not None:
+                    await self._agent.start()  # live, and listening for invalidations
+                self._started = True
         if self._closed or self._flights is None:
             raise FlightError("this FlightCache is closed")
         return self._flights
@@ -242,9 +293,15 @@ class FlightCache:
         canon = canonical(key)
         fk = self.keyspace.for_digest(digest_of(canon))
         self._stats.calls += 1
-        flights = (
-            self._flights if self._flights is not None and not self._closed else await self._ready()
-        )
+        near = self._near
+        if near is not None and not refresh:
+            data = near.get(fk.digest)
+            if data is not None:  # a leased copy: no round trip
+                self._stats.hits += 1
+                return self.envelope.decode(data, key=fk.digest)
+        flights = self._flights
+        if flights is None or not self._started or self._closed:
+            flights = await self._ready()
         # A refresh must not ride on a plain call's lookup (it would get the stored value):
         # refresh calls coalesce among themselves, under a table key of their own.
         table_key = fk.digest + "!" if refresh else fk.digest
@@ -254,9 +311,9 @@ class FlightCache:
             return self.envelope.decode(await asyncio.shield(slot.wait()), key=fk.digest)
         slot = _Slot(table_key)
         self._inflight[table_key] = slot
-        # Hit path: one GET in the caller's own task (no task, no future, no script).
+        # Hit path: one read in the caller's own task (no task, no future).
         try:
-            data = None if refresh else await flights.lookup(fk)
+            data = None if refresh else await self._lookup(flights, fk)
         except asyncio.CancelledError:
             if slot.waited_on:  # others wait for this lookup: the flight goes on for them
                 opts = self._options(canon, ttl, lease, timeout, refresh)
@@ -287,6 +344,7 @@ class FlightCache:
             return
         task = asyncio.ensure_future(flights.resolve(fk, job, opts))
         self._tasks.add(task)
+        heard = self._agent.seq if self._agent is not None else 0
 
         def finish(t: asyncio.Task[bytes]) -> None:
             self._tasks.discard(t)
@@ -296,9 +354,25 @@ class FlightCache:
             elif (exc := t.exception()) is not None:
                 self._settle(slot, exc)
             else:
-                self._settle(slot, t.result())
+                result = t.result()
+                if self._leaser is not None and job.lease is not None:
+                    sent, ttl_ms = job.lease
+                    self._leaser.grant(fk.digest, result, sent, ttl_ms, heard)
+                self._settle(slot, result)
 
         task.add_done_callback(finish)
+
+    async def _lookup(self, flights: _Flights, fk: FlightKeys) -> bytes | None:
+        """The stored result; with a near cache, also leased when it may be."""
+        leaser, redis_flights = self._leaser, self._redis_flights
+        if leaser is None or redis_flights is None:
+            return await flights.lookup(fk)
+        heard = leaser.heard()
+        sent = time.monotonic()
+        data, ttl_left_ms, leasable = await redis_flights.lookup_leased(fk)
+        if data is not None and leasable:
+            leaser.grant(fk.digest, data, sent, ttl_left_ms, heard)
+        return data
 
     def _settle(self, slot: _Slot, outcome: bytes | BaseException) -> None:
         if self._inflight.get(slot.key) is slot:
@@ -389,14 +463,52 @@ class FlightCache:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""
         fk = self.keyspace.flight(key)
         self._stats.gets += 1
-        flights = (
-            self._flights if self._flights is not None and not self._closed else await self._ready()
-        )
-        data = await flights.lookup(fk)
+        data = self._near.get(fk.digest) if self._near is not None else None
+        if data is None:
+            flights = self._flights
+            if flights is None or not self._started or self._closed:
+                flights = await self._ready()
+            data = await self._lookup(flights, fk)
         if data is None or self.envelope.is_error(data):
             return MISSING
         self._stats.get_hits += 1
         return self.envelope.decode(data, key=fk.digest)
+
+    async def invalidate(self, key: Any) -> Invalidation:
+        """Delete the stored result; return when no node can still serve the old one.
+
+        Every live node drops its near-cache copy and acknowledges; the call returns when
+        all have (``how == "acked"``) or when the longest lease any of them could hold has
+        lapsed (``how == "lease"``), whichever is first. Reads during the call are served
+        without a lease. An unknown key is not an error (``how == "absent"``).
+        """
+        fk = self.keyspace.flight(key)
+        return await self._replace(fk, None, 0)
+
+    async def invalidate_many(self, keys: Iterable[Any]) -> list[Invalidation]:
+        """``invalidate`` for each key, concurrently."""
+        fks = [self.keyspace.flight(key) for key in keys]
+        return list(await asyncio.gather(*(self._replace(fk, None, 0) for fk in fks)))
+
+    async def set(self, key: Any, value: Any, *, ttl: float | None = None) -> Invalidation:
+        """Store ``value`` (computed elsewhere); return when no node serves the old one."""
+        if ttl is not None:
+            _seconds("ttl", ttl)
+        fk = self.keyspace.flight(key)
+        data = self.envelope.encode(value, key=fk.digest)
+        return await self._replace(fk, data, int((self.ttl if ttl is None else ttl) * 1000) or 1)
+
+    async def _replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+        flights = await self._ready()
+        if self._agent is None:  # memory://: this process is the only node
+            assert isinstance(flights, MemoryFlights)
+            return flights.replace(fk, data, ttl_ms)
+        return await self._agent.invalidate(fk, data, ttl_ms)
+
+    async def nodes(self) -> list[NodeInfo]:
+        """The live nodes of this namespace (their liveness lease holds), by the server."""
+        await self._ready()
+        return await self._agent.live() if self._agent is not None else []
 
     async def inspect(self, key: Any) -> FlightInfo:
         """State of ``key``: cached, running (owner, token, lease left, followers) or vacant."""
@@ -453,6 +565,8 @@ class FlightCache:
         if self._closed:
             return
         self._closed = True
+        if self._near is not None:
+            self._near.clear()  # a closed cache answers nothing, not even from its copies
         while self._tasks:  # a call that was mid-lookup may not start a flight any more
             tasks = list(self._tasks)
             for task in tasks:
@@ -461,6 +575,8 @@ class FlightCache:
             self._tasks.difference_update(tasks)
         async with self._start_lock:  # an embedded server still starting is stopped there
             pass
+        if self._agent is not None and self._started:
+            await self._agent.aclose()  # leaves the live set: invalidations stop waiting for it
         if self._conn is not None:
             await self._conn.aclose()
         if self._server is not None:

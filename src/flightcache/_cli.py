@@ -280,12 +280,171 @@ def _run_mock_upstream(args: argparse.Namespace) -> int:
         return 2
 
 
+# -- serve --------------------------------------------------------------------------------
+
+UPSTREAM_ENV = "FLIGHTCACHE_UPSTREAM"
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def non_negative_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+        return value
+
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible gateway: identical requests become one upstream call",
+        description=(
+            "Serve an OpenAI-compatible gateway in front of an upstream API. Identical "
+            "requests to /v1/chat/completions, /v1/completions and /v1/embeddings (stream or "
+            "not) across every gateway sharing one Redis become one upstream call; streams "
+            "fan out live; answers are cached (X-Cache: HIT | MISS | COALESCED). Other paths "
+            "are proxied untouched. GET /metrics (Prometheus), GET /healthz. The API key is "
+            "whatever each client sends, passed through, never logged. Without --redis (or "
+            f"${DEFAULT_URL_ENV}) it runs on a private embedded server that no other replica "
+            "shares. Stops cleanly on SIGTERM. Needs: pip install 'flightcache[gateway]'. "
+            "See docs/gateway.md."
+        ),
+    )
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        default=os.environ.get(UPSTREAM_ENV) or None,
+        help=f"the upstream API's base URL, e.g. https://api.openai.com/v1 (or ${UPSTREAM_ENV})",
+    )
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        default=os.environ.get(DEFAULT_URL_ENV) or None,
+        help=f"the shared Redis/Valkey URL (or ${DEFAULT_URL_ENV}; default: a private "
+        "embedded server)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
+    p.add_argument(
+        "--namespace", metavar="NS", default="gateway", help="key namespace (default: gateway)"
+    )
+    p.add_argument(
+        "--share-across-keys",
+        action="store_true",
+        help="share answers between API keys (default: each key's digest is part of the key)",
+    )
+    p.add_argument(
+        "--no-cache-sampled",
+        dest="cache_sampled",
+        action="store_false",
+        help="do not store sampled answers (temperature > 0 or omitted, no seed); they are "
+        "still coalesced while in flight",
+    )
+    p.add_argument(
+        "--ttl", type=_positive_float, default=3600.0, help="seconds answers are stored (3600)"
+    )
+    p.add_argument(
+        "--lease",
+        type=_positive_float,
+        default=3.0,
+        help="seconds an owner's lease lasts: a dead owner is replaced after this (3)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds one whole upstream answer may take (600)",
+    )
+    p.add_argument(
+        "--upstream-timeout",
+        type=_positive_float,
+        default=300.0,
+        help="seconds without a byte from the upstream before a call fails with 504 (300)",
+    )
+    p.add_argument(
+        "--error-ttl",
+        type=non_negative_float,
+        default=2.0,
+        help="seconds a 4xx answer is negative-cached; 429, 5xx, 401, 403 never are (2)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (default: warning)",
+    )
+    p.set_defaults(handler=_run_serve)
+
+
+def _shown_url(url: str) -> str:
+    """A URL fit for the banner: never its user info or query, which may hold secrets."""
+    try:
+        parts = urlsplit(url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<unparsable url>"
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from .gateway._app import make_app
+        from .gateway._serve_util import serve
+    except ImportError as exc:
+        print(
+            f"{PROG} serve: error: {exc}; install the gateway extra: "
+            "pip install 'flightcache[gateway]'",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.upstream:
+        print(
+            f"{PROG} serve: error: --upstream URL (or ${UPSTREAM_ENV}) is required", file=sys.stderr
+        )
+        return 2
+    import logging
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for name in ("httpx", "httpcore"):  # they log URLs, whose query may hold a key
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    app = make_app(
+        upstream=args.upstream,
+        redis_url=args.redis,
+        namespace=args.namespace,
+        share_across_keys=args.share_across_keys,
+        cache_sampled=args.cache_sampled,
+        ttl=args.ttl,
+        lease=args.lease,
+        timeout=args.timeout,
+        upstream_timeout=args.upstream_timeout,
+        error_ttl=args.error_ttl,
+    )
+    cache = (
+        f"redis {_shown_url(args.redis)}"
+        if args.redis
+        else "a private embedded server (not shared with other replicas: pass --redis)"
+    )
+    banner = (
+        f"flightcache gateway listening on {{url}} (upstream {_shown_url(args.upstream)}, "
+        f"cache on {cache}, namespace {args.namespace})"
+    )
+    try:
+        return serve(app, host=args.host, port=args.port, banner=banner, log_level=args.log_level)
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+        print(f"{PROG} serve: error: {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+
+
 # -- the parser and main ------------------------------------------------------------------
 
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_demo,
     _add_inspect,
     _add_mock_upstream,
+    _add_serve,
     _add_status,
 ]
 

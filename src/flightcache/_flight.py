@@ -117,6 +117,14 @@ class RedisFlights:
         data: Any = await self.conn.run(lambda: client.get(fk.result), fk)
         return cast("bytes | None", data)
 
+    async def lookup_leased(self, fk: FlightKeys) -> tuple[bytes | None, int, bool]:
+        """The stored result, its time left in ms, and whether it may be leased (no
+        invalidation or replacement of it is under way)."""
+        value, ttl_left, marked = await self.conn.script(
+            "read_result", fk, (fk.result, fk.marker), ()
+        )
+        return value, int(ttl_left), not int(marked)
+
     async def inspect(self, fk: FlightKeys) -> FlightInfo:
         async def pipeline() -> list[Any]:
             pipe: Any = self.conn.client.pipeline(transaction=False)
@@ -267,6 +275,15 @@ class RedisFlights:
     async def _own(
         self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
     ) -> bytes:
+        self.stats.owning += 1
+        try:
+            return await self._run_owned(fk, job, opts, token, granted_at)
+        finally:
+            self.stats.owning -= 1
+
+    async def _run_owned(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
+    ) -> bytes:
         self.stats.loader_runs += 1
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
         chunks = [0]
@@ -335,21 +352,27 @@ class RedisFlights:
             raise _Lost()
         small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
         count = "" if job.inline_ok else str(chunks[0])
-        written = await self.conn.script(
-            "complete_flight",
-            fk,
-            (fk.result, fk.meta, fk.stream, fk.waiters),
-            (
-                token,
-                encoded,
-                self._jittered(opts.ttl_ms),
-                "1" if small else "0",
-                self.tuning.stream_linger_ms,
-                count,
-            ),
+        ttl_ms = self._jittered(opts.ttl_ms)
+        sent = self.clock()
+        written = int(
+            await self.conn.script(
+                "complete_flight",
+                fk,
+                (fk.result, fk.meta, fk.stream, fk.waiters, fk.marker),
+                (
+                    token,
+                    encoded,
+                    ttl_ms,
+                    "1" if small else "0",
+                    self.tuning.stream_linger_ms,
+                    count,
+                ),
+            )
         )
-        if int(written) != 1:
+        if written == 0:
             self._fenced(fk, token)
+        if written == 1:  # stored (2: delivered only, an invalidation is under way)
+            job.lease = (sent, ttl_ms)
         return encoded
 
     def _jittered(self, ttl_ms: int) -> int:
@@ -422,6 +445,7 @@ class RedisFlights:
                     f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
                 )
             block = max(1, min(lease_left + self.tuning.block_margin_ms, cap_ms, remaining_ms))
+            sent = self.clock()
             reply: Any = await self.conn.run(
                 functools.partial(client.xread, {fk.stream: last_id}, count=100, block=block), fk
             )
@@ -447,6 +471,8 @@ class RedisFlights:
                         value = fields.get(b"v")
                         if value is None:
                             value = await self.lookup(fk)
+                        elif b"x" in fields:  # stored: a near cache may lease it
+                            job.lease = (sent, int(fields[b"x"]))
                         if value is not None:
                             return bytes(value)
                         # the result is gone already (evicted, or a tiny TTL): start over

@@ -34,6 +34,9 @@ class LoaderJob:
         self.loader = loader
         self.envelope = envelope
         self.digest = digest
+        # (when the request that delivered the stored value was sent, its TTL in ms): set
+        # when the result may be leased by a near cache
+        self.lease: tuple[float, int] | None = None
 
     async def run(self, append: Append | None) -> bytes:
         value = await self.loader()
@@ -70,6 +73,7 @@ class StreamJob:
         self.digest = digest
         self.local = local
         self.generation: bytes | None = None  # the claim whose chunks `local` holds
+        self.lease: tuple[float, int] | None = None  # streams are not near-cached
 
     async def run(self, append: Append | None) -> bytes:
         self.local.opened(MISS)

@@ -64,6 +64,7 @@ class FlightKeys:
     result: str
     stream: str
     waiters: str
+    marker: str  # set while an invalidation or replacement of the key is under way
 
 
 class KeySpace:
@@ -72,6 +73,14 @@ class KeySpace:
     def __init__(self, namespace: str) -> None:
         self.namespace = check_namespace(namespace)
         self.owner_seq = f"{namespace}:owner-seq"
+        # Node liveness: both keys share one hash tag, so one script updates them together.
+        self.nodes = f"{namespace}:nodes:{{{namespace}}}"
+        self.node_info = f"{namespace}:nodeinfo:{{{namespace}}}"
+        self.invalidations = f"{namespace}:invalidate"  # the pub/sub channel
+
+    def ack(self, digest: str, invalidation: str) -> str:
+        """The list where nodes acknowledge one invalidation of one key."""
+        return f"{self.namespace}:ack:{{{digest}}}:{invalidation}"
 
     def flight(self, key: Any) -> FlightKeys:
         return self.for_digest(digest(key))
@@ -84,4 +93,5 @@ class KeySpace:
             result=f"{ns}:result:{{{d}}}",
             stream=f"{ns}:stream:{{{d}}}",
             waiters=f"{ns}:waiters:{{{d}}}",
+            marker=f"{ns}:inval:{{{d}}}",
         )

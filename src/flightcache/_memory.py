@@ -17,6 +17,7 @@ from ._errors import FlightTimeout, SerializationError, ValueTooLarge
 from ._jobs import Job
 from ._keys import FlightKeys
 from ._loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from ._nodes import Invalidation
 from ._types import CallOptions, FlightInfo, Stats
 
 
@@ -78,6 +79,15 @@ class MemoryFlights:
         jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
         self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
         return data
+
+    def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+        """Delete (``data`` None) or replace a stored result; one process, nothing to wait for."""
+        existed = self._store.pop(fk.digest, None) is not None
+        if data is not None:
+            self._put(fk, data, ttl_ms)
+        elif not existed:
+            return Invalidation("absent", 0, 0, 0.0)
+        return Invalidation("acked", 0, 0, 0.0)
 
     async def inspect(self, fk: FlightKeys) -> FlightInfo:
         data = await self.lookup(fk)

@@ -29,6 +29,10 @@ SCRIPT_NAMES = (
     "append_chunks",
     "complete_flight",
     "fail_flight",
+    "read_result",
+    "replace_result",
+    "renew_node",
+    "live_nodes",
 )
 
 
@@ -207,7 +211,7 @@ class RedisConnection:
             raise FlightError(f"Redis at {self.safe_url} refused a command: {exc}") from exc
 
     async def script(
-        self, name: str, fk: FlightKeys, keys: Sequence[str], args: Sequence[Any]
+        self, name: str, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
     ) -> Any:
         script = self.scripts[name]
         return await self.run(lambda: script(keys=list(keys), args=list(args)), fk)

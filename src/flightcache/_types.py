@@ -82,9 +82,10 @@ class Stats:
     lease_lost: int = 0
     fenced_writes: int = 0
     commands: int = 0
+    owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
     extra: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, int]:
-        data = {k: v for k, v in asdict(self).items() if k != "extra"}
+        data = {k: v for k, v in asdict(self).items() if k not in ("extra", "owning")}
         data.update(self.extra)
         return data

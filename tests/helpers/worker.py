@@ -51,6 +51,8 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         namespace=cfg["namespace"],
         lease=cfg.get("lease", 1.0),
         timeout=cfg.get("timeout", 30.0),
+        near_cache=cfg.get("near_cache", True),
+        node_ttl=cfg.get("node_ttl", 6.0),
     )
     await fc.get("warm-up")  # connect before the burst, so it is not part of the timing
     if "start_at" in cfg:

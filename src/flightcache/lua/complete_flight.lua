@@ -1,17 +1,28 @@
 -- complete_flight: the owner's fenced write of the result.
 -- KEYS[1] result   KEYS[2] meta   KEYS[3] stream   KEYS[4] waiters
+-- KEYS[5] invalidation marker: while it lives, the result is delivered but not stored
 -- ARGV[1] token   ARGV[2] encoded value   ARGV[3] result TTL ms (jitter applied)
--- ARGV[4] '1' to carry the value inside the done event, '0' not to
+-- ARGV[4] '1' to carry the value inside the done event, '0' not to (unless not stored)
 -- ARGV[5] how long the stream lingers after the flight, ms
 -- ARGV[6] chunk count of a stream flight ('' for a value), carried in the done event so a
 --         follower knows it saw every chunk
--- Returns 1 written, 0 fenced: the token is not the current owner's, nothing was written
+-- The done event carries `x`, the result's TTL ms, or `nc` = 1 when it was not stored.
+-- Returns 1 written, 2 delivered but not stored (an invalidation is under way), 0 fenced:
+-- the token is not the current owner's, nothing was written
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+local stored = redis.call('EXISTS', KEYS[5]) == 0
 local event = {'t', 'done', 'tok', ARGV[1]}
-if ARGV[4] == '1' then
+if stored then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  table.insert(event, 'x')
+  table.insert(event, ARGV[3])
+else
+  table.insert(event, 'nc')
+  table.insert(event, '1')
+end
+if ARGV[4] == '1' or not stored then  -- an unstored value can only travel in the event
   table.insert(event, 'v')
   table.insert(event, ARGV[2])
 end
@@ -22,4 +33,7 @@ end
 redis.call('XADD', KEYS[3], '*', unpack(event))
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('DEL', KEYS[2], KEYS[4])
-return 1
+if stored then
+  return 1
+end
+return 2

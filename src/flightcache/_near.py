@@ -1,0 +1,101 @@
+"""The near cache: this process's copy of results, each trusted only while its lease holds.
+
+A lease is granted with every value read from the server. The holder trusts it until
+``sent + lease - skew_margin`` on its monotonic clock, where ``sent`` is when it sent the
+request that returned the value (so the lease starts no later than the server's view of
+it); an invalidation waits ``lease + skew_margin`` before it stops counting on
+acknowledgements. A lease is never longer than the value's own time left on the server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ._codec import ERROR_TAG
+
+
+class NearCache:
+    """An LRU of encoded results with lease deadlines, bounded by entries and bytes."""
+
+    def __init__(
+        self,
+        *,
+        max_entries: int,
+        max_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: str) -> bytes | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            self.misses += 1
+            return None
+        if self.clock() >= entry[0]:  # the lease ended: the copy may be stale
+            self._remove(digest)
+            self.misses += 1
+            return None
+        self._entries.move_to_end(digest)
+        self.hits += 1
+        return entry[1]
+
+    def put(self, digest: str, data: bytes, lease_end: float) -> None:
+        if len(data) > self.max_bytes or lease_end <= self.clock():
+            return
+        self._remove(digest)
+        self._entries[digest] = (lease_end, data)
+        self.bytes += len(data)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+
+    def drop(self, digest: str) -> None:
+        self._remove(digest)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def _remove(self, digest: str) -> None:
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            self.bytes -= len(entry[1])
+
+
+class Leaser:
+    """Grants near-cache leases on values read from the server."""
+
+    def __init__(
+        self,
+        near: NearCache,
+        *,
+        lease_s: float,
+        skew_margin_s: float,
+        heard: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.near = near
+        self.lease_s = lease_s
+        self.skew_margin_s = skew_margin_s
+        self.heard = heard  # invalidations heard so far (a counter)
+        self.clock = clock
+
+    def grant(self, digest: str, data: bytes, sent: float, ttl_left_ms: int, heard: int) -> None:
+        """Keep ``data``, read by a request sent at ``sent`` when ``heard`` invalidations had
+        been heard, for its lease: never past the value's own time left on the server, and
+        not at all if an invalidation was heard since (it may be about this very value)."""
+        if self.heard() != heard or data[:1] == ERROR_TAG or ttl_left_ms <= 0:
+            return
+        lease = min(self.lease_s, ttl_left_ms / 1000)
+        self.near.put(digest, data, sent + lease - self.skew_margin_s)

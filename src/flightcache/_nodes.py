@@ -1,0 +1,310 @@
+"""Nodes: each FlightCache's liveness lease, its invalidation listener, and invalidations.
+
+Every FlightCache that talks to a server is a node. It registers its id in a live set with
+a TTL and renews it every ``node_ttl / 3`` (heartbeat in, lease out: a node that stops
+renewing drops out of the live set when its TTL lapses, by the server's clock). It listens
+on the namespace's invalidation channel: on a message it drops its near-cache copy of the
+key and acknowledges. An invalidation waits for the acknowledgements of every live node
+that keeps a near cache, or until the longest lease any of them could hold has lapsed,
+whichever comes first, so its guarantee never depends on a message arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from ._errors import FlightError
+from ._keys import FlightKeys, KeySpace
+from ._near import NearCache
+from ._redis import RedisConnection
+
+log = logging.getLogger("flightcache.nodes")
+
+ACK_TTL_MS = 60_000
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One live node, as ``FlightCache.nodes()`` and ``flightcache status`` show it."""
+
+    node_id: str
+    host: str
+    pid: int
+    age_s: float
+    lease_ms: int  # its near-cache lease (0: no near cache)
+    owned: int  # flights it owns now
+    near_entries: int
+    near_hits: int
+    near_misses: int
+    ttl_left_ms: int  # how long its liveness lease still runs
+
+    @property
+    def near_hit_rate(self) -> float | None:
+        total = self.near_hits + self.near_misses
+        return self.near_hits / total if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class Invalidation:
+    """How an ``invalidate`` or ``set`` finished.
+
+    ``how`` is ``"acked"`` (every live node with a near cache acknowledged), ``"lease"`` (it
+    waited until the longest lease could have lapsed), or ``"absent"`` (nothing was stored,
+    so no node could hold a lease on it).
+    """
+
+    how: str
+    nodes: int  # live nodes whose acknowledgement it waited for
+    acked: int
+    waited_s: float
+
+
+class NodeAgent:
+    """This process's node in the namespace (one per FlightCache on a Redis backend)."""
+
+    def __init__(
+        self,
+        conn: RedisConnection,
+        keyspace: KeySpace,
+        node_id: str,
+        near: NearCache | None,
+        *,
+        near_lease_s: float,
+        skew_margin_s: float,
+        node_ttl_s: float,
+        owned: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conn = conn
+        self.keyspace = keyspace
+        self.node_id = node_id
+        self.near = near
+        self.near_lease_s = near_lease_s if near is not None else 0.0
+        self.skew_margin_s = skew_margin_s
+        self.node_ttl_s = node_ttl_s
+        self.owned = owned
+        self.clock = clock
+        self.started = clock()
+        self.seq = 0  # invalidations heard (and reconnects): a read that saw it move is not leased
+        self._tasks: list[asyncio.Task[None]] = []
+        self._acks: set[asyncio.Task[None]] = set()
+        self._listening = asyncio.Event()
+        self._pubsub_client: aioredis.Redis | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._renew()  # live before the first call returns
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._heartbeat()))
+        if self.near is not None:
+            self._pubsub_client = aioredis.Redis(
+                connection_pool=aioredis.ConnectionPool.from_url(
+                    self.conn.url,
+                    max_connections=2,
+                    socket_connect_timeout=3.0,
+                    socket_keepalive=True,
+                    client_name=f"flightcache-listen:{self.node_id}".replace(" ", "_"),
+                )
+            )
+            self._tasks.append(loop.create_task(self._listen()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._listening.wait(), 3.0)
+
+    async def aclose(self) -> None:
+        for task in [*self._tasks, *self._acks]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._acks, return_exceptions=True)
+        with contextlib.suppress(FlightError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._live(leave=True), 1.0)  # leave the live set now
+        if self._pubsub_client is not None:
+            await self._pubsub_client.aclose()
+            await self._pubsub_client.connection_pool.disconnect()
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def _info(self) -> bytes:
+        near = self.near
+        return orjson.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "age_s": round(self.clock() - self.started, 3),
+                "lease_ms": int(self.near_lease_s * 1000),
+                "owned": self.owned(),
+                "near_entries": len(near) if near is not None else 0,
+                "near_hits": near.hits if near is not None else 0,
+                "near_misses": near.misses if near is not None else 0,
+            }
+        )
+
+    async def _renew(self) -> None:
+        await self.conn.script(
+            "renew_node",
+            None,
+            (self.keyspace.nodes, self.keyspace.node_info),
+            (self.node_id, int(self.node_ttl_s * 1000), self._info()),
+        )
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.node_ttl_s / 3)  # heartbeat interval
+            try:
+                await self._renew()
+            except FlightError as exc:
+                log.info("node %s: liveness renewal failed, retrying: %s", self.node_id, exc)
+
+    async def _live(self, *, leave: bool = False) -> list[NodeInfo]:
+        reply = await self.conn.script(
+            "live_nodes",
+            None,
+            (self.keyspace.nodes, self.keyspace.node_info),
+            (self.node_id if leave else "",),
+        )
+        nodes = []
+        for i in range(0, len(reply), 3):
+            node_id = reply[i].decode()
+            try:
+                info = orjson.loads(reply[i + 1])
+            except orjson.JSONDecodeError:
+                info = {}
+            nodes.append(
+                NodeInfo(
+                    node_id=node_id,
+                    host=str(info.get("host", "")),
+                    pid=int(info.get("pid", 0)),
+                    age_s=float(info.get("age_s", 0.0)),
+                    lease_ms=int(info.get("lease_ms", 0)),
+                    owned=int(info.get("owned", 0)),
+                    near_entries=int(info.get("near_entries", 0)),
+                    near_hits=int(info.get("near_hits", 0)),
+                    near_misses=int(info.get("near_misses", 0)),
+                    ttl_left_ms=int(reply[i + 2]),
+                )
+            )
+        return nodes
+
+    async def live(self) -> list[NodeInfo]:
+        return await self._live()
+
+    # -- hearing invalidations -----------------------------------------------------------
+
+    async def _listen(self) -> None:
+        assert self._pubsub_client is not None
+        backoff = 0.1
+        while True:
+            pubsub = self._pubsub_client.pubsub()
+            try:
+                await pubsub.subscribe(self.keyspace.invalidations)
+                # Anything said while we were not listening is lost: forget every copy.
+                if self.near is not None:
+                    self.near.clear()
+                self.seq += 1
+                self._listening.set()
+                backoff = 0.1
+                while True:
+                    message = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self.node_ttl_s / 3
+                    )
+                    if message is None:
+                        await pubsub.ping()  # a dead connection must not pass for a quiet one
+                    elif message.get("type") == "message":
+                        self._heard(message["data"])
+            except (rexc.RedisError, OSError) as exc:
+                self._listening.clear()
+                log.warning(
+                    "node %s: invalidation listener lost (%s); reconnecting", self.node_id, exc
+                )
+                await asyncio.sleep(backoff)  # reconnect backoff
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _heard(self, data: bytes) -> None:
+        try:
+            message = orjson.loads(data)
+            digest, invalidation, sender = message["d"], message["i"], message["f"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("node %s: malformed invalidation message ignored", self.node_id)
+            return
+        self.seq += 1
+        if self.near is not None:
+            self.near.drop(digest)
+        if sender != self.node_id:
+            task = asyncio.get_running_loop().create_task(self._ack(digest, invalidation))
+            self._acks.add(task)
+            task.add_done_callback(self._acks.discard)
+
+    async def _ack(self, digest: str, invalidation: str) -> None:
+        key = self.keyspace.ack(digest, invalidation)
+        client = self.conn.client
+
+        async def push() -> None:
+            pipe: Any = client.pipeline(transaction=False)
+            pipe.rpush(key, self.node_id).pexpire(key, ACK_TTL_MS)
+            await pipe.execute()
+
+        try:
+            await self.conn.run(push)
+        except FlightError as exc:  # the invalidator will wait out the lease instead
+            log.info("node %s: could not acknowledge an invalidation: %s", self.node_id, exc)
+
+    # -- invalidating --------------------------------------------------------------------
+
+    async def invalidate(self, fk: FlightKeys, value: bytes | None, ttl_ms: int) -> Invalidation:
+        """Delete (``value`` None) or replace the stored result, then make sure no node
+        keeps serving the old one: acknowledgements, or the longest lease lapsing."""
+        started = self.clock()
+        if self.near is not None:
+            self.near.drop(fk.digest)
+        self.seq += 1
+        live = await self._live()
+        holders = {n.node_id for n in live if n.lease_ms > 0 and n.node_id != self.node_id}
+        longest_s = max([self.near_lease_s, *(n.lease_ms / 1000 for n in live)])
+        wait_s = longest_s + self.skew_margin_s
+        invalidation = os.urandom(8).hex()
+        existed = await self.conn.script(
+            "replace_result",
+            fk,
+            (fk.result, fk.marker),
+            (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
+        )
+        if value is None and not int(existed):
+            return Invalidation("absent", 0, 0, self.clock() - started)
+        message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
+        client = self.conn.client
+        await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message), fk)
+        acked = await self._await_acks(fk, invalidation, holders, started + wait_s)
+        how = "acked" if holders <= acked else "lease"
+        return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
+
+    async def _await_acks(
+        self, fk: FlightKeys, invalidation: str, holders: set[str], deadline: float
+    ) -> set[str]:
+        key = self.keyspace.ack(fk.digest, invalidation)
+        client = self.conn.blocking
+        cap = max(self.conn.socket_timeout - 0.5, 0.1)
+        acked: set[str] = set()
+        while not holders <= acked:
+            left = deadline - self.clock()
+            if left <= 0:
+                break  # the longest lease has lapsed: acknowledgements no longer matter
+            block = min(left, cap)
+            reply: Any = await self.conn.run(functools.partial(client.blpop, [key], block), fk)
+            if reply:
+                acked.add(reply[1].decode())
+        return acked
