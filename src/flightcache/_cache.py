@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect as _inspect
+import logging
 import os
 import secrets
 import socket
@@ -27,6 +28,8 @@ from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+log = logging.getLogger("flightcache.near")
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -260,6 +263,9 @@ class FlightCache:
         timeout: float | None,
         refresh: bool = False,
     ) -> CallOptions:
+        ttl_s = self.ttl if ttl is None else ttl
+        if self._near is not None and ttl_s < self.near_lease:
+            self._warn_short_ttl(ttl_s)
         return CallOptions(
             ttl_ms=int((self.ttl if ttl is None else ttl) * 1000) or 1,
             lease_ms=int((self.lease if lease is None else lease) * 1000),
@@ -268,6 +274,16 @@ class FlightCache:
             key_text=describe_canonical(canon),
             refresh=refresh,
         )
+
+    def _warn_short_ttl(self, ttl_s: float) -> None:
+        if int(ttl_s * 1000) not in self._warned_ttls and len(self._warned_ttls) < 100:
+            self._warned_ttls.add(int(ttl_s * 1000))
+            log.warning(
+                "ttl %gs is shorter than near_lease %gs: near-cache leases of these values "
+                "are clamped to the time each has left on the server",
+                ttl_s,
+                self.near_lease,
+            )
 
     async def do(
         self,

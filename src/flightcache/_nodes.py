@@ -102,6 +102,7 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._acks: set[asyncio.Task[None]] = set()
         self._listening = asyncio.Event()
+        self._stopping = False
         self._pubsub_client: aioredis.Redis | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -125,9 +126,17 @@ class NodeAgent:
                 await asyncio.wait_for(self._listening.wait(), 3.0)
 
     async def aclose(self) -> None:
-        for task in [*self._tasks, *self._acks]:
+        self._stopping = True
+        tasks = [*self._tasks, *self._acks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._acks, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            if pending and self._pubsub_client is not None:
+                # redis-py's get_message can swallow a cancellation that lands as its read
+                # times out; a closed connection ends the listener for sure.
+                await self._pubsub_client.connection_pool.disconnect()
+                await asyncio.wait(pending, timeout=2.0)
         with contextlib.suppress(FlightError, asyncio.TimeoutError):
             await asyncio.wait_for(self._live(leave=True), 1.0)  # leave the live set now
         if self._pubsub_client is not None:
@@ -205,26 +214,37 @@ class NodeAgent:
     async def _listen(self) -> None:
         assert self._pubsub_client is not None
         backoff = 0.1
-        while True:
+        while not self._stopping:
             pubsub = self._pubsub_client.pubsub()
             try:
                 await pubsub.subscribe(self.keyspace.invalidations)
                 # Anything said while we were not listening is lost: forget every copy.
-                if self.near is not None:
-                    self.near.clear()
-                self.seq += 1
+                self._forget_all()
                 self._listening.set()
                 backoff = 0.1
-                while True:
+                interval = self.node_ttl_s / 3
+                pinged: float | None = None
+                while not self._stopping:
                     message = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=self.node_ttl_s / 3
+                        ignore_subscribe_messages=True, timeout=interval
                     )
                     if message is None:
-                        await pubsub.ping()  # a dead connection must not pass for a quiet one
+                        # A dead connection must not pass for a quiet one: ping, and give up
+                        # on it if the answer has not come by the next quiet interval.
+                        if pinged is not None and self.clock() - pinged > interval:
+                            raise rexc.ConnectionError("no answer to a ping")
+                        if pinged is None:
+                            await pubsub.ping()
+                            pinged = self.clock()
+                    elif message.get("type") == "pong":
+                        pinged = None
                     elif message.get("type") == "message":
                         self._heard(message["data"])
             except (rexc.RedisError, OSError) as exc:
                 self._listening.clear()
+                self._forget_all()  # deaf now: any copy might be invalidated unheard
+                if self._stopping:
+                    return
                 log.warning(
                     "node %s: invalidation listener lost (%s); reconnecting", self.node_id, exc
                 )
@@ -233,6 +253,11 @@ class NodeAgent:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _forget_all(self) -> None:
+        if self.near is not None:
+            self.near.clear()
+        self.seq += 1
 
     def _heard(self, data: bytes) -> None:
         try:

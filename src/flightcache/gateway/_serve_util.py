@@ -37,7 +37,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     with contextlib.suppress(ValueError):
         if ipaddress.ip_address(host).version == 6:
             family = socket.AF_INET6
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

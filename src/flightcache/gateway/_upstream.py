@@ -1,0 +1,380 @@
+"""Calls to the upstream API over one shared ``httpx.AsyncClient``, and what their errors mean.
+
+- :meth:`Upstream.stream_chunks`: a completion, always streamed (``stream: true``), as the
+  parsed SSE chunk objects; ends with ``[DONE]`` or raises :class:`UpstreamError`.
+- :meth:`Upstream.fetch_json`: a plain JSON answer (embeddings).
+- :meth:`Upstream.proxy`: anything else, relayed untouched (hop-by-hop headers dropped).
+
+:class:`UpstreamError` carries the upstream's status, OpenAI-shaped error body and the
+headers a client needs (``retry-after``...) in ``flightcache_data``, so coalesced callers in
+other processes get them through :class:`flightcache.RemoteError`; its
+``flightcache_error_ttl`` keeps rate limits, server errors, auth errors, timeouts and cut
+streams out of the negative cache (other 4xx are kept ``client_error_ttl`` seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import httpx
+import orjson
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
+
+from .._errors import (
+    BackendUnavailable,
+    FlightTimeout,
+    RemoteError,
+    StreamRestarted,
+    ValueTooLarge,
+)
+from ._assemble import chunks_from_completion
+
+__all__ = [
+    "HOP_BY_HOP",
+    "Upstream",
+    "UpstreamError",
+    "describe_error",
+    "openai_error",
+]
+
+log = logging.getLogger("flightcache.gateway")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+# Request headers a flight's upstream call carries (the owner's): credentials and scope.
+FORWARDED = ("authorization", "api-key", "x-api-key", "openai-organization", "openai-project")
+FORWARDED_PREFIXES = ("openai-beta",)
+# Upstream error headers a client needs to see (retry hints, the upstream's request id).
+KEPT_ERROR_HEADERS = ("retry-after", "retry-after-ms", "x-request-id")
+KEPT_ERROR_PREFIXES = ("x-ratelimit-",)
+MAX_ERROR_BODY = 64 * 1024
+NEVER_CACHED = frozenset({401, 403, 408, 409, 429})
+
+OnCall = Callable[[str, str], None]  # (route, status or failure kind)
+
+
+def openai_error(
+    message: str, *, status: int, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI-shaped error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = "invalid_request_error"
+    if status == 429:
+        kind = "requests"
+    elif status >= 500:
+        kind = "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class UpstreamError(Exception):
+    """The upstream failed this request: its status, error body and retry headers."""
+
+    def __init__(
+        self,
+        status: int,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None = None,
+        *,
+        error_ttl: float = 0.0,
+    ) -> None:
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        super().__init__(f"upstream status {status}: {message or 'error'}"[:500])
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+        self.flightcache_data = {"status": status, "body": body, "headers": self.headers}
+        self.flightcache_error_ttl = error_ttl
+
+
+def describe_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str], str]:
+    """What a client gets for an error: status, OpenAI-shaped body, headers, metric kind."""
+    if isinstance(exc, UpstreamError):
+        return exc.status, exc.body, exc.headers, "upstream"
+    if isinstance(exc, RemoteError):
+        data = exc.data
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("status"), int)
+            and isinstance(data.get("body"), dict)
+        ):
+            raw = data.get("headers")
+            headers = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+            return data["status"], data["body"], headers, "upstream"
+    too_large = isinstance(exc, ValueTooLarge) or (
+        isinstance(exc, RemoteError) and exc.type_name == "ValueTooLarge"
+    )
+    if too_large:
+        message = "flightcache gateway: the answer is larger than the cache's value limit"
+        return 502, openai_error(message, status=502, code="too_large"), {}, "internal"
+    if isinstance(exc, RemoteError):
+        message = f"flightcache gateway: the flight failed in another gateway ({exc.type_name})"
+        return 502, openai_error(message, status=502), {}, "internal"
+    if isinstance(exc, StreamRestarted):
+        message = (
+            "flightcache gateway: the gateway that was streaming this answer stopped and a new "
+            "upstream call started it again; retry the request"
+        )
+        return 503, openai_error(message, status=503, code="stream_restarted"), {}, "restarted"
+    if isinstance(exc, FlightTimeout):
+        message = "flightcache gateway: no answer within the gateway's timeout"
+        return 504, openai_error(message, status=504, code="timeout"), {}, "timeout"
+    if isinstance(exc, BackendUnavailable):
+        message = "flightcache gateway: the cache server is unavailable"
+        return 503, openai_error(message, status=503, code="backend_unavailable"), {}, "backend"
+    message = f"flightcache gateway: internal error ({type(exc).__name__})"
+    return 500, openai_error(message, status=500), {}, "internal"
+
+
+def _kept_error_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in headers.items()
+        if name in KEPT_ERROR_HEADERS or name.startswith(KEPT_ERROR_PREFIXES)
+    }
+
+
+def _without_hop_by_hop(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Header pairs minus hop-by-hop ones, including those the Connection header names."""
+    pairs = [(k.lower(), v) for k, v in items]
+    named = {token.strip().lower() for k, v in pairs if k == "connection" for token in v.split(",")}
+    return [(k, v) for k, v in pairs if k not in HOP_BY_HOP and k not in named]
+
+
+class _Relay(StreamingResponse):
+    """A relayed body: if the upstream breaks off, the client's response is left incomplete
+    (the connection is closed) instead of looking finished."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for chunk in self.body_iterator:
+                data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except httpx.HTTPError as exc:
+            log.warning("passthrough: the upstream broke off its answer (%s)", type(exc).__name__)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Upstream:
+    """The upstream API at ``base_url``; request paths (``/v1/...``) are appended to it."""
+
+    def __init__(
+        self,
+        base_url: str,
+        client: httpx.AsyncClient,
+        *,
+        client_error_ttl: float,
+        on_call: OnCall | None = None,
+    ) -> None:
+        base = base_url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]  # "https://api.openai.com/v1" works as well
+        self.base = base
+        self.client = client
+        self.client_error_ttl = client_error_ttl
+        self._on_call = on_call or (lambda route, status: None)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    @staticmethod
+    def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+        """The caller's headers a flight's upstream call carries."""
+        out = {name: headers[name] for name in FORWARDED if name in headers}
+        for name, value in headers.items():
+            if name.lower().startswith(FORWARDED_PREFIXES):
+                out[name.lower()] = value
+        return out
+
+    def error_ttl(self, status: int) -> float:
+        return 0.0 if status in NEVER_CACHED or status >= 500 else self.client_error_ttl
+
+    def _failure(self, route: str, exc: httpx.HTTPError, started: bool) -> UpstreamError:
+        """The error for a request that failed in transport (no status, or a cut body)."""
+        what = "the upstream's answer was cut off" if started else "the upstream is unreachable"
+        if isinstance(exc, httpx.TimeoutException):
+            status, kind = 504, "timeout"
+            what = "the upstream timed out" + (" mid-answer" if started else "")
+        else:
+            status, kind = 502, "cut" if started else "connect_error"
+        if not started:
+            self._on_call(route, kind)
+        message = f"flightcache gateway: {what} ({type(exc).__name__})"
+        return UpstreamError(status, openai_error(message, status=status, code=kind))
+
+    async def _error_from(self, response: httpx.Response) -> UpstreamError:
+        raw = b""
+        async for data in response.aiter_bytes():
+            raw += data
+            if len(raw) > MAX_ERROR_BODY:
+                break
+        status = response.status_code
+        body: Any = None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+            text = raw[:500].decode("utf-8", "replace").strip()
+            message = f"upstream returned HTTP {status}" + (f": {text}" if text else "")
+            body = openai_error(message, status=status)
+        headers = _kept_error_headers(response.headers)
+        return UpstreamError(status, body, headers, error_ttl=self.error_ttl(status))
+
+    def _request(self, path: str, body: Any, headers: Mapping[str, str]) -> httpx.Request:
+        sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
+        return self.client.build_request(
+            "POST", self.url(path), content=orjson.dumps(body), headers=sent
+        )
+
+    async def stream_chunks(
+        self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of one streamed completion, ``[DONE]`` included, or UpstreamError."""
+        request = self._request(path, body, {**headers, "accept": "text/event-stream"})
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._failure(route, exc, started=False) from exc
+        try:
+            self._on_call(route, str(response.status_code))
+            if response.status_code != 200:
+                raise await self._error_from(response)
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                # An upstream that ignores stream: true; its whole answer becomes the chunks.
+                answer = orjson.loads(await response.aread())
+                for chunk in chunks_from_completion(answer):
+                    yield chunk
+                return
+            done = False
+            async for data in _sse_data(response.aiter_lines()):
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                yield self._chunk(data)
+            if not done:
+                message = "flightcache gateway: the upstream's stream ended before [DONE]"
+                raise UpstreamError(502, openai_error(message, status=502, code="cut"))
+        except httpx.HTTPError as exc:
+            raise self._failure(route, exc, started=True) from exc
+        except ValueError as exc:  # orjson.JSONDecodeError, or not a completion at all
+            message = "flightcache gateway: the upstream sent an answer that is not a completion"
+            raise UpstreamError(502, openai_error(message, status=502)) from exc
+        finally:
+            await response.aclose()
+
+    def _chunk(self, data: str) -> dict[str, Any]:
+        chunk = orjson.loads(data)
+        if not isinstance(chunk, dict):
+            message = "flightcache gateway: the upstream sent a stream event that is not an object"
+            raise UpstreamError(502, openai_error(message, status=502))
+        if chunk.get("error") is not None:  # an error event in the middle of the stream
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            status = code if isinstance(code, int) and 400 <= code <= 599 else 502
+            body = {"error": error} if isinstance(error, dict) else None
+            raise UpstreamError(status, body or openai_error(str(error)[:500], status=status))
+        chunk.pop("obfuscation", None)  # random padding, different in every run
+        return chunk
+
+    async def fetch_json(
+        self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> Any:
+        """A non-streamed JSON answer (embeddings), or UpstreamError."""
+        request = self._request(path, body, {**headers, "accept": "application/json"})
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._failure(route, exc, started=False) from exc
+        try:
+            self._on_call(route, str(response.status_code))
+            if response.status_code != 200:
+                raise await self._error_from(response)
+            return orjson.loads(await response.aread())
+        except httpx.HTTPError as exc:
+            raise self._failure(route, exc, started=True) from exc
+        except orjson.JSONDecodeError as exc:
+            message = "flightcache gateway: the upstream sent an answer that is not JSON"
+            raise UpstreamError(502, openai_error(message, status=502)) from exc
+        finally:
+            await response.aclose()
+
+    async def proxy(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+        *,
+        route: str = "other",
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """Relay one request untouched and stream the answer back."""
+        pairs = _without_hop_by_hop(headers)
+        sent = [(k, v) for k, v in pairs if k != "content-length"]
+        if not any(k == "accept-encoding" for k, _ in sent):
+            sent.append(("accept-encoding", "identity"))  # not httpx's default: relay as is
+        url = self.url(path) + (f"?{query}" if query else "")
+        request = self.client.build_request(method, url, headers=sent, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            error = self._failure(route, exc, started=False)
+            return Response(orjson.dumps(error.body), error.status, media_type="application/json")
+        self._on_call(route, str(response.status_code))
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for data in response.aiter_raw():
+                    yield data
+            finally:
+                await response.aclose()
+
+        relayed = _Relay(relay(), status_code=response.status_code)
+        extra = [(k.lower(), v) for k, v in (extra_headers or {}).items()]
+        replaced = {k for k, _ in extra}
+        back = [
+            p for p in _without_hop_by_hop(response.headers.multi_items()) if p[0] not in replaced
+        ]
+        back += extra
+        relayed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in back]
+        return relayed
+
+
+async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event (multi-line data joined by newlines)."""
+    data: list[str] = []
+    async for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue  # a comment (keep-alive)
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data == ["[DONE]"]:  # the end marker without its blank line
+        yield "[DONE]"
+    # Any other event without its blank line was cut off inside it: dropped.
