@@ -271,3 +271,21 @@ async def test_refresh_joins_a_running_flight_instead_of_starting_another(make_c
     gate.set()
     assert await first == await second == 1
     assert len(runs) == 1
+
+
+async def test_store_false_coalesces_but_keeps_nothing(backend_url: str, make_cache: Any) -> None:
+    fc = make_cache(backend_url)
+    runs: list[int] = []
+    gate = asyncio.Event()
+
+    async def loader() -> int:
+        runs.append(1)
+        await gate.wait()
+        return len(runs)
+
+    calls = [asyncio.ensure_future(fc.do("q", loader, store=False)) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    assert await asyncio.gather(*calls) == [1] * 5  # one run, everyone answered
+    assert await fc.get("q") is MISSING  # nothing kept
+    assert await fc.do("q", loader, store=False) == 2

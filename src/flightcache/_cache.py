@@ -262,9 +262,10 @@ class FlightCache:
         lease: float | None,
         timeout: float | None,
         refresh: bool = False,
+        store: bool = True,
     ) -> CallOptions:
         ttl_s = self.ttl if ttl is None else ttl
-        if self._near is not None and ttl_s < self.near_lease:
+        if self._near is not None and store and ttl_s < self.near_lease:
             self._warn_short_ttl(ttl_s)
         return CallOptions(
             ttl_ms=int((self.ttl if ttl is None else ttl) * 1000) or 1,
@@ -273,6 +274,7 @@ class FlightCache:
             error_ttl_ms=int(self.error_ttl * 1000),
             key_text=describe_canonical(canon),
             refresh=refresh,
+            store=store,
         )
 
     def _warn_short_ttl(self, ttl_s: float) -> None:
@@ -294,13 +296,15 @@ class FlightCache:
         lease: float | None = None,
         timeout: float | None = None,
         refresh: bool = False,
+        store: bool = True,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
         ``loader`` runs at most once per flight across all processes sharing the server. A
         caller that is cancelled stops waiting; the flight goes on for the others. With
         ``refresh=True`` a stored value does not count: the call joins a running flight or
-        starts one, whose value replaces the stored one.
+        starts one, whose value replaces the stored one. With ``store=False`` the value
+        goes to the flight's callers and is not stored (coalesced, not cached).
         """
         if not callable(loader):
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
@@ -332,7 +336,7 @@ class FlightCache:
             data = None if refresh else await self._lookup(flights, fk)
         except asyncio.CancelledError:
             if slot.waited_on:  # others wait for this lookup: the flight goes on for them
-                opts = self._options(canon, ttl, lease, timeout, refresh)
+                opts = self._options(canon, ttl, lease, timeout, refresh, store)
                 job = LoaderJob(loader, self.envelope, fk.digest)
                 self._start_flight(flights, fk, job, opts, slot)
             else:  # nobody else asked: no loader runs for nobody
@@ -346,7 +350,7 @@ class FlightCache:
             self._settle(slot, data)
             return self.envelope.decode(data, key=fk.digest)
         job = LoaderJob(loader, self.envelope, fk.digest)
-        opts = self._options(canon, ttl, lease, timeout, refresh)
+        opts = self._options(canon, ttl, lease, timeout, refresh, store)
         outcome = slot.wait()  # made before the flight can settle the slot
         self._start_flight(flights, fk, job, opts, slot)
         return self.envelope.decode(await asyncio.shield(outcome), key=fk.digest)
@@ -404,6 +408,7 @@ class FlightCache:
         lease: float | None = None,
         timeout: float | None = None,
         refresh: bool = False,
+        store: bool = True,
     ) -> FlightStream:
         """``async for chunk in fc.stream(key, producer)``: one producer run for everyone.
 
@@ -412,7 +417,7 @@ class FlightCache:
         sequence is cached and a hit replays it. If the owner dies mid-stream a new owner
         starts over: a caller that had no chunk yet goes on with it, one that had chunks
         gets ``StreamRestarted``. ``timeout`` bounds the whole production; ``refresh`` is
-        as for ``do``.
+        as for ``do``, and so is ``store``.
         """
         if not callable(producer):
             raise ConfigError(
@@ -422,7 +427,7 @@ class FlightCache:
             self._check_call(ttl, lease, timeout)
         canon = canonical(key)
         fk = self.keyspace.for_digest(digest_of(canon))
-        opts = self._options(canon, ttl, lease, timeout, refresh)
+        opts = self._options(canon, ttl, lease, timeout, refresh, store)
         self._stats.streams += 1
         table_key = fk.digest + "!" if refresh else fk.digest
 

@@ -177,6 +177,7 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def _run_status(args: argparse.Namespace) -> int:
     from ._keys import KeySpace
+    from ._nodes import live_nodes
     from ._redis import RedisConnection
     from ._types import Stats
 
@@ -193,6 +194,7 @@ def _run_status(args: argparse.Namespace) -> int:
                 await conn.run(lambda: client.ping())
                 rtts.append((time.perf_counter() - start) * 1000)
             seq = await conn.run(lambda: client.get(keyspace.owner_seq))
+            nodes = await live_nodes(conn, keyspace)
         finally:
             await conn.aclose()
         if "valkey_version" in info:
@@ -206,9 +208,30 @@ def _run_status(args: argparse.Namespace) -> int:
             f"min {min(rtts):.3f})",
             "namespace": args.namespace,
             "owner_seq": int(seq) if seq is not None else 0,
+            "live nodes": len(nodes),
+            "_nodes": nodes,
         }
 
-    _print_fields(asyncio.run(go()))
+    fields = asyncio.run(go())
+    nodes = fields.pop("_nodes")
+    _print_fields(fields)
+    if nodes:
+        print()
+        header = ("node", "age", "owns", "near entries", "near hit rate", "lease")
+        rows = [
+            (
+                n.node_id,
+                f"{n.age_s:.0f} s",
+                str(n.owned),
+                str(n.near_entries),
+                "-" if n.near_hit_rate is None else f"{n.near_hit_rate:.0%}",
+                f"{n.lease_ms / 1000:g} s" if n.lease_ms else "no near cache",
+            )
+            for n in nodes
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        for row in (header, *rows):
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     return 0
 
 

@@ -352,13 +352,13 @@ class RedisFlights:
             raise _Lost()
         small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
         count = "" if job.inline_ok else str(chunks[0])
-        ttl_ms = self._jittered(opts.ttl_ms)
+        ttl_ms = self._jittered(opts.ttl_ms) if opts.store else 0
         sent = self.clock()
         written = int(
             await self.conn.script(
                 "complete_flight",
                 fk,
-                (fk.result, fk.meta, fk.stream, fk.waiters, fk.marker),
+                (fk.result, fk.meta, fk.stream, fk.waiters),
                 (
                     token,
                     encoded,

@@ -76,8 +76,9 @@ class MemoryFlights:
             raise
         finally:
             self._running.discard(fk.digest)
-        jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
-        self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
+        if opts.store:
+            jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
+            self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
         return data
 
     def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:

@@ -72,6 +72,34 @@ class Invalidation:
     waited_s: float
 
 
+async def live_nodes(
+    conn: RedisConnection, keyspace: KeySpace, *, leave: str = ""
+) -> list[NodeInfo]:
+    """The namespace's live nodes, by the server's clock (``leave``: remove that one first)."""
+    reply = await conn.script("live_nodes", None, (keyspace.nodes, keyspace.node_info), (leave,))
+    nodes = []
+    for i in range(0, len(reply), 3):
+        try:
+            info = orjson.loads(reply[i + 1])
+        except orjson.JSONDecodeError:
+            info = {}
+        nodes.append(
+            NodeInfo(
+                node_id=reply[i].decode(),
+                host=str(info.get("host", "")),
+                pid=int(info.get("pid", 0)),
+                age_s=float(info.get("age_s", 0.0)),
+                lease_ms=int(info.get("lease_ms", 0)),
+                owned=int(info.get("owned", 0)),
+                near_entries=int(info.get("near_entries", 0)),
+                near_hits=int(info.get("near_hits", 0)),
+                near_misses=int(info.get("near_misses", 0)),
+                ttl_left_ms=int(reply[i + 2]),
+            )
+        )
+    return nodes
+
+
 class NodeAgent:
     """This process's node in the namespace (one per FlightCache on a Redis backend)."""
 
@@ -177,34 +205,7 @@ class NodeAgent:
                 log.info("node %s: liveness renewal failed, retrying: %s", self.node_id, exc)
 
     async def _live(self, *, leave: bool = False) -> list[NodeInfo]:
-        reply = await self.conn.script(
-            "live_nodes",
-            None,
-            (self.keyspace.nodes, self.keyspace.node_info),
-            (self.node_id if leave else "",),
-        )
-        nodes = []
-        for i in range(0, len(reply), 3):
-            node_id = reply[i].decode()
-            try:
-                info = orjson.loads(reply[i + 1])
-            except orjson.JSONDecodeError:
-                info = {}
-            nodes.append(
-                NodeInfo(
-                    node_id=node_id,
-                    host=str(info.get("host", "")),
-                    pid=int(info.get("pid", 0)),
-                    age_s=float(info.get("age_s", 0.0)),
-                    lease_ms=int(info.get("lease_ms", 0)),
-                    owned=int(info.get("owned", 0)),
-                    near_entries=int(info.get("near_entries", 0)),
-                    near_hits=int(info.get("near_hits", 0)),
-                    near_misses=int(info.get("near_misses", 0)),
-                    ttl_left_ms=int(reply[i + 2]),
-                )
-            )
-        return nodes
+        return await live_nodes(self.conn, self.keyspace, leave=self.node_id if leave else "")
 
     async def live(self) -> list[NodeInfo]:
         return await self._live()
@@ -305,7 +306,7 @@ class NodeAgent:
         existed = await self.conn.script(
             "replace_result",
             fk,
-            (fk.result, fk.marker),
+            (fk.result, fk.marker, fk.meta),
             (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
         )
         if value is None and not int(existed):
@@ -315,6 +316,8 @@ class NodeAgent:
         await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message), fk)
         acked = await self._await_acks(fk, invalidation, holders, started + wait_s)
         how = "acked" if holders <= acked else "lease"
+        if how == "acked":  # nobody can hold the old value: reads may lease again now
+            await self.conn.script("end_replace", fk, (fk.marker,), (invalidation,))
         return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
 
     async def _await_acks(

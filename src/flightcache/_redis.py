@@ -31,6 +31,7 @@ SCRIPT_NAMES = (
     "fail_flight",
     "read_result",
     "replace_result",
+    "end_replace",
     "renew_node",
     "live_nodes",
 )

@@ -38,6 +38,7 @@ class CallOptions:
     error_ttl_ms: int
     key_text: str
     refresh: bool = False  # recompute even when a result is stored (and overwrite it)
+    store: bool = True  # False: deliver the result to the flight's callers, store nothing
 
     @property
     def wait_bound_s(self) -> float:

@@ -198,7 +198,9 @@ class _Gateway:
         while True:
             attempt += 1
             producer = self._producer(plan, headers)
-            flight = self.fc.stream(plan.key, producer, ttl=plan.ttl, refresh=plan.refresh)
+            flight = self.fc.stream(
+                plan.key, producer, ttl=plan.ttl, refresh=plan.refresh, store=plan.store
+            )
             source = "NONE"
             try:
                 source = await flight.opened()

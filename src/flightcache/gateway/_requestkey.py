@@ -30,7 +30,6 @@ import orjson
 __all__ = [
     "COALESCE_HEADER",
     "DROPPED_FIELDS",
-    "NOT_STORED_TTL",
     "ROUTES",
     "TTL_HEADER",
     "BadRequest",
@@ -50,7 +49,6 @@ ROUTES: dict[str, Route] = {
 
 COALESCE_HEADER = "x-flightcache-coalesce"
 TTL_HEADER = "x-flightcache-ttl"
-NOT_STORED_TTL = 0.001  # seconds: the answer is kept for one millisecond, i.e. not at all
 MAX_TTL = 365 * 24 * 3600.0
 KEY_VERSION = 1
 
@@ -134,7 +132,8 @@ class Plan:
     sampled: bool
     bypass: bool  # plain proxying: no flight at all
     refresh: bool  # a stored answer does not count
-    ttl: float  # seconds the answer is stored (NOT_STORED_TTL: not stored)
+    ttl: float  # seconds the answer is stored
+    store: bool  # False: coalesced while in flight, never stored
     key: str  # the digest: X-Flightcache-Key, and the flight's key
 
 
@@ -280,10 +279,12 @@ def plan_request(path: str, raw: bytes, headers: Mapping[str, str], policy: Poli
     bypass = not coalesce or (route == "completions" and isinstance(best_of, int) and best_of > 1)
     refresh = "no-cache" in directives
     ttl = policy.ttl if header_ttl is None else header_ttl
+    store = True
     if sampled and not policy.cache_sampled:
-        ttl, refresh = NOT_STORED_TTL, True  # coalesced while in flight, never from storage
+        store, refresh = False, True  # coalesced while in flight, never from storage
     if "no-store" in directives or ttl == 0:
-        ttl = NOT_STORED_TTL
+        store = False
+        ttl = ttl or policy.ttl
     upstream_body = dict(body)
     if route != "embeddings":
         upstream_body["stream"] = True
@@ -299,5 +300,6 @@ def plan_request(path: str, raw: bytes, headers: Mapping[str, str], policy: Poli
         bypass=bypass,
         refresh=refresh,
         ttl=ttl,
+        store=store,
         key=request_digest(path, body, tenant_of(headers, policy)),
     )

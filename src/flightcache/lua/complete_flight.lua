@@ -1,18 +1,20 @@
 -- complete_flight: the owner's fenced write of the result.
 -- KEYS[1] result   KEYS[2] meta   KEYS[3] stream   KEYS[4] waiters
--- KEYS[5] invalidation marker: while it lives, the result is delivered but not stored
--- ARGV[1] token   ARGV[2] encoded value   ARGV[3] result TTL ms (jitter applied)
+-- A flight that an invalidation marked (meta field `invalidated`) delivers its result but
+-- does not store it: it was computed from what the invalidation replaced.
+-- ARGV[1] token   ARGV[2] encoded value   ARGV[3] result TTL ms (jitter applied; 0: do not
+--         store it, only deliver it to the flight's callers)
 -- ARGV[4] '1' to carry the value inside the done event, '0' not to (unless not stored)
 -- ARGV[5] how long the stream lingers after the flight, ms
 -- ARGV[6] chunk count of a stream flight ('' for a value), carried in the done event so a
 --         follower knows it saw every chunk
 -- The done event carries `x`, the result's TTL ms, or `nc` = 1 when it was not stored.
--- Returns 1 written, 2 delivered but not stored (an invalidation is under way), 0 fenced:
+-- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
 -- the token is not the current owner's, nothing was written
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
 end
-local stored = redis.call('EXISTS', KEYS[5]) == 0
+local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidated') ~= '1'
 local event = {'t', 'done', 'tok', ARGV[1]}
 if stored then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])

@@ -1,11 +1,15 @@
 -- replace_result: start an invalidation (or a replacement) of one key.
--- KEYS[1] result   KEYS[2] invalidation marker
+-- KEYS[1] result   KEYS[2] invalidation marker   KEYS[3] meta
 -- ARGV[1] invalidation id   ARGV[2] marker TTL ms (the longest lease plus the skew margin)
 -- ARGV[3] new encoded value ('' to delete)   ARGV[4] its TTL ms (with ARGV[3])
--- While the marker lives, readers serve without a lease and flights deliver their result
--- without storing it (a value computed before the invalidation must not outlive it).
+-- While the marker lives, readers serve without a lease. A flight running now is marked:
+-- its result was computed from inputs this call replaces, so it is delivered to its
+-- callers but not stored (the memcache-lease rule: a delete invalidates outstanding sets).
 -- Returns 1 if a result was stored before, else 0
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HSET', KEYS[3], 'invalidated', '1')
+end
 local existed = redis.call('EXISTS', KEYS[1])
 if ARGV[3] == '' then
   redis.call('DEL', KEYS[1])
