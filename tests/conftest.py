@@ -64,3 +64,12 @@ async def make_cache(
 def backend_url(request: pytest.FixtureRequest, server: EmbeddedServer) -> str:
     """Behaviour that must hold on every backend runs once per backend."""
     return "memory://" if request.param == "memory" else server.url
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Any]:
+    """A private Redis/Valkey Cluster (3 masters, 1 replica each) for the session."""
+    from flightcache._embedded import EmbeddedCluster
+
+    with EmbeddedCluster(masters=3, replicas=1) as c:
+        yield c

@@ -21,6 +21,7 @@ from flightcache import (
     FlightTimeout,
     RemoteError,
     SerializationError,
+    Tuning,
     ValueTooLarge,
 )
 from flightcache._embedded import free_port
@@ -275,9 +276,13 @@ async def test_a_frozen_server_fails_calls_within_the_socket_timeout(
     """SIGSTOP the server: a hit, a miss and a follower each fail with BackendUnavailable
     after about socket_timeout, never hang."""
     # No near cache: a leased copy would (rightly) answer the hit without the server.
-    fc = FlightCache(private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False)
+    # A flight retries for failover_s when the server stops answering mid-flight.
+    quick = Tuning(failover_s=1.0)
+    fc = FlightCache(
+        private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False, tuning=quick
+    )
     other = FlightCache(
-        private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False
+        private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False, tuning=quick
     )
     gate = asyncio.Event()
 

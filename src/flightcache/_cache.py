@@ -31,7 +31,7 @@ R = TypeVar("R")
 
 log = logging.getLogger("flightcache.near")
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 
 
 class _Flights(Protocol):
@@ -114,10 +114,15 @@ class FlightCache:
         near_max_bytes: int = 64 * 1024 * 1024,
         skew_margin: float = 0.25,
         node_ttl: float = 6.0,
+        cluster: bool = False,
         tuning: Tuning | None = None,
     ) -> None:
         if not isinstance(url, str):
             raise ConfigError(f"url must be a string, not {type(url).__name__}")
+        if cluster:
+            if not url.startswith(("redis://", "redis+cluster://")):
+                raise ConfigError("cluster=True needs a redis:// URL of one cluster node")
+            url = "redis+cluster://" + url.split("://", 1)[1]
         self.url = url
         self.namespace = namespace
         self.keyspace = KeySpace(namespace)
@@ -175,8 +180,8 @@ class FlightCache:
             self._connect(url)
         elif not url.startswith("embedded://"):
             raise ConfigError(
-                f"unsupported URL {safe_url(url)!r}: use redis://, rediss://, unix://, memory:// "
-                "or embedded://"
+                f"unsupported URL {safe_url(url)!r}: use redis://, rediss://, unix://, "
+                "redis+cluster://, memory:// or embedded://"
             )
 
     def _connect(self, url: str) -> None:
@@ -228,6 +233,8 @@ class FlightCache:
                     self._server = server
                     self._connect(server.url)
             if not self._started and not self._closed:
+                if self._conn is not None:
+                    await self._conn.open()
                 if self._agent is not None:
                     await self._agent.start()  # live, and listening for invalidations
                 self._started = True

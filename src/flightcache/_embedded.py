@@ -54,12 +54,14 @@ class EmbeddedServer:
         *,
         binary: str | None = None,
         host: str = "127.0.0.1",
+        port: int = 0,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.binary = binary or server_binary()
         self.host = host
         self.extra_args = extra_args
-        self.port = 0
+        self.fixed_port = port  # 0: a free port, chosen at start
+        self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
 
@@ -76,7 +78,7 @@ class EmbeddedServer:
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         self._dir = tempfile.mkdtemp(prefix="flightcache-server-")
         for _attempt in range(5):
-            self.port = free_port(self.host)
+            self.port = self.fixed_port or free_port(self.host)
             self.proc = subprocess.Popen(
                 [
                     self.binary,
@@ -146,6 +148,114 @@ class EmbeddedServer:
         return ""
 
     def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cli_binary(server: str) -> str:
+    """The command-line client beside a server binary (valkey-cli or redis-cli)."""
+    folder, name = os.path.split(server)
+    for candidate in (name.replace("server", "cli"), "valkey-cli", "redis-cli"):
+        path = os.path.join(folder, candidate)
+        if os.access(path, os.X_OK):
+            return path
+        found = shutil.which(candidate)
+        if found:
+            return found
+    raise ConfigError(f"no cli found beside {server}")
+
+
+class EmbeddedCluster:
+    """A Redis/Valkey Cluster of private servers: ``masters`` masters with ``replicas`` each,
+    joined with the bundled CLI's ``--cluster create``; ``stop()`` ends every server."""
+
+    def __init__(self, *, masters: int = 3, replicas: int = 1, binary: str | None = None) -> None:
+        self.binary = binary or server_binary()
+        self.servers = [
+            EmbeddedServer(
+                binary=self.binary,
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    # A replica may take over whatever its data's age (a test cluster is young).
+                    "--cluster-replica-validity-factor",
+                    "0",
+                    "--repl-diskless-sync",
+                    "yes",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ),
+            )
+            for _ in range(masters * (1 + replicas))
+        ]
+        self.masters = masters
+        self.replicas = replicas
+
+    @property
+    def url(self) -> str:
+        first = self.servers[0]
+        return f"redis+cluster://{first.host}:{first.port}"
+
+    def start(self, timeout: float = 30.0) -> EmbeddedCluster:
+        try:
+            for server in self.servers:
+                server.start()
+            addresses = [f"{s.host}:{s.port}" for s in self.servers]
+            subprocess.run(
+                [
+                    cli_binary(self.binary),
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=timeout,
+            )
+            self._wait_ok(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ok(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        cli = cli_binary(self.binary)
+        while time.monotonic() < deadline:
+            states = []
+            for server in self.servers:
+
+                def ask(*command: str, port: int = server.port) -> str:
+                    return subprocess.run(
+                        [cli, "-h", self.servers[0].host, "-p", str(port), *command],
+                        capture_output=True,
+                        text=True,
+                        timeout=5,
+                    ).stdout
+
+                replication = ask("info", "replication")
+                # ok, and every replica in sync with its master (so that it can take over)
+                synced = "role:slave" not in replication or "master_link_status:up" in replication
+                states.append("cluster_state:ok" in ask("cluster", "info") and synced)
+            if all(states):
+                return
+            time.sleep(0.1)
+        raise BackendUnavailable("the cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> EmbeddedCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -19,7 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from ._codec import Envelope
-from ._errors import FlightError, FlightTimeout, SerializationError, ValueTooLarge
+from ._errors import (
+    BackendUnavailable,
+    FlightError,
+    FlightTimeout,
+    SerializationError,
+    ValueTooLarge,
+)
 from ._heartbeat import Heartbeat
 from ._jobs import Job
 from ._keys import FlightKeys, KeySpace
@@ -31,6 +37,7 @@ log_claim = logging.getLogger("flightcache.claim")
 log_follow = logging.getLogger("flightcache.follow")
 
 HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4
+TOKEN_RANDOM_BITS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +51,9 @@ class Tuning:
     takeover_max_rank: int = 16
     reset_timeout_s: float = 1.0
     ttl_jitter: float = 0.1  # results live ttl * (1 +/- this), so keys set together expire apart
+    # How long a flight keeps retrying when the server stops answering mid-flight: long
+    # enough for a cluster failover (Valkey/Redis cluster-node-timeout plus an election).
+    failover_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +165,8 @@ class RedisFlights:
         """The stored result of the flight (value, stream or error record), or ``b""`` for a
         stream whose every chunk this process already has."""
         deadline = self.clock() + opts.wait_bound_s
-        state = await self._join(fk, opts, "always", refresh=opts.refresh)
+        state: _State | None = await self._join(fk, opts, "always", refresh=opts.refresh)
+        assert state is not None
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
@@ -167,49 +178,67 @@ class RedisFlights:
         # refresh, every join ignores the stored result (it is the one being replaced) and
         # this position is how the flight's own new result is still found.
         since = b""
+        outage: float | None = None  # when the server stopped answering, mid-flight
+        backoff = 0.05
         while True:
             if self.clock() >= deadline:
                 raise FlightTimeout(
                     f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
                 )
-            if state.kind == HIT:
-                assert state.value is not None
-                return state.value
-            if state.kind == FOLLOW:
-                self.stats.follows += 1
-                job.on_follow(state.last_id)
-                outcome = await self._follow(fk, job, state, opts, deadline)
-                if isinstance(outcome, bytes):
-                    return outcome
-                state, takeover, since = outcome, True, outcome.since or since
-                continue
-            if state.kind == VACANT:
-                # The owner died and this caller is not first in the queue: give the ones
-                # ahead of it their turn, then join again (and claim if still vacant).
-                rank = state.rank if state.rank >= 0 else self.tuning.takeover_max_rank
-                step = self.tuning.takeover_step_s
-                delay = min(rank, self.tuning.takeover_max_rank) * step
-                await asyncio.sleep(delay + random.uniform(0, step / 2))  # takeover jitter
-                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
-                continue
-            if state.kind == ENDED:
-                ended = self._ended(state, job)
-                if ended is not None:
-                    return ended
-                state = await self._join(fk, opts, "always", refresh=opts.refresh)
-                continue
-            since = state.last_id  # our own claim's entry
-            confirmed = await self._confirm(fk, opts, state.claim_id)
-            if confirmed is None:  # the claim lapsed before its token arrived
-                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
-                continue
-            if takeover:
-                self.stats.takeovers += 1
             try:
-                return await self._own(fk, job, opts, *confirmed)
-            except _Lost:
-                state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
-                takeover = False
+                if state is None:  # after an outage: where does the flight stand now?
+                    state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
+                if state.kind == HIT:
+                    assert state.value is not None
+                    return state.value
+                if state.kind == FOLLOW:
+                    self.stats.follows += 1
+                    job.on_follow(state.last_id)
+                    outcome = await self._follow(fk, job, state, opts, deadline)
+                    if isinstance(outcome, bytes):
+                        return outcome
+                    state, takeover, since = outcome, True, outcome.since or since
+                    continue
+                if state.kind == VACANT:
+                    # The owner died and this caller is not first in the queue: give the
+                    # ones ahead of it their turn, then join again (and claim if vacant).
+                    rank = state.rank if state.rank >= 0 else self.tuning.takeover_max_rank
+                    step = self.tuning.takeover_step_s
+                    delay = min(rank, self.tuning.takeover_max_rank) * step
+                    await asyncio.sleep(delay + random.uniform(0, step / 2))  # takeover jitter
+                    state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
+                    continue
+                if state.kind == ENDED:
+                    ended = self._ended(state, job)
+                    if ended is not None:
+                        return ended
+                    state = await self._join(fk, opts, "always", refresh=opts.refresh)
+                    continue
+                since = state.last_id  # our own claim's entry
+                confirmed = await self._confirm(fk, opts, state.claim_id)
+                if confirmed is None:  # the claim lapsed before its token arrived
+                    state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
+                    continue
+                if takeover:
+                    self.stats.takeovers += 1
+                try:
+                    return await self._own(fk, job, opts, *confirmed)
+                except _Lost:
+                    state = None
+                    takeover = False
+            except BackendUnavailable as exc:
+                # A failover (a cluster master replaced by its replica) or a blip: the flight
+                # may still be fine. Retry from a fresh join for a while, then give up.
+                now = self.clock()
+                outage = now if outage is None else outage
+                if now - outage >= self.tuning.failover_s:
+                    raise
+                log_follow.info("flight %s: server unreachable, retrying: %s", fk.digest, exc)
+                await asyncio.sleep(backoff)  # outage backoff
+                backoff = min(backoff * 2, 1.0)
+                state = None
+                continue
+            outage, backoff = None, 0.05
 
     def _ended(self, state: _State, job: Job) -> bytes | None:
         """What a caller gets from a flight that ended after its position, if usable."""
@@ -260,7 +289,10 @@ class RedisFlights:
         """Take a fencing token (INCR owner-seq) and confirm the claim with it: the token and
         the local time the confirmation was sent (the lease started later than that)."""
         client = self.conn.client
-        token = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
+        counter = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
+        # The counter orders tokens; 20 random low bits keep them unique even if the counter
+        # went backwards (a failover can lose recent INCRs: Redis replicates asynchronously).
+        token = (counter << TOKEN_RANDOM_BITS) | secrets.randbits(TOKEN_RANDOM_BITS)
         sent = self.clock()
         confirmed = await self.conn.script(
             "confirm_claim", fk, (fk.meta,), (claim_id, token, opts.lease_ms)

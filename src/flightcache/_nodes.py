@@ -140,15 +140,6 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._heartbeat()))
         if self.near is not None:
-            self._pubsub_client = aioredis.Redis(
-                connection_pool=aioredis.ConnectionPool.from_url(
-                    self.conn.url,
-                    max_connections=2,
-                    socket_connect_timeout=3.0,
-                    socket_keepalive=True,
-                    client_name=f"flightcache-listen:{self.node_id}".replace(" ", "_"),
-                )
-            )
             self._tasks.append(loop.create_task(self._listen()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._listening.wait(), 3.0)
@@ -212,10 +203,27 @@ class NodeAgent:
 
     # -- hearing invalidations -----------------------------------------------------------
 
+    def _listener_client(self, attempt: int) -> aioredis.Redis:
+        urls = self.conn.listen_urls()  # a cluster's nodes: each attempt tries the next one
+        return aioredis.Redis(
+            connection_pool=aioredis.ConnectionPool.from_url(
+                urls[attempt % len(urls)],
+                max_connections=2,
+                socket_connect_timeout=3.0,
+                socket_keepalive=True,
+                client_name=f"flightcache-listen:{self.node_id}".replace(" ", "_"),
+            )
+        )
+
     async def _listen(self) -> None:
-        assert self._pubsub_client is not None
         backoff = 0.1
+        attempt = 0
         while not self._stopping:
+            if self._pubsub_client is not None:
+                await self._pubsub_client.aclose()
+                await self._pubsub_client.connection_pool.disconnect()
+            self._pubsub_client = self._listener_client(attempt)
+            attempt += 1
             pubsub = self._pubsub_client.pubsub()
             try:
                 await pubsub.subscribe(self.keyspace.invalidations)

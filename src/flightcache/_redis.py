@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis import exceptions as rexc
 
 from ._errors import BackendUnavailable, ConfigError, FlightError
@@ -21,6 +22,8 @@ from ._types import Stats
 T = TypeVar("T")
 
 log = logging.getLogger("flightcache.redis")
+
+CLUSTER_SCHEME = "redis+cluster://"
 
 SCRIPT_NAMES = (
     "join_flight",
@@ -173,6 +176,10 @@ class RedisConnection:
         self.safe_url = safe_url(url)
         self.stats = stats
         self.socket_timeout = socket_timeout
+        self.cluster: Any = None
+        if url.startswith(CLUSTER_SCHEME):
+            self._init_cluster(url, socket_timeout, connect_timeout, max_connections, client_name)
+            return
         common = dict(
             max_connections=max_connections,
             wait_timeout=connect_timeout + socket_timeout,
@@ -196,11 +203,58 @@ class RedisConnection:
             name: self.client.register_script(load_script(name)) for name in SCRIPT_NAMES
         }
 
+    def _init_cluster(
+        self,
+        url: str,
+        socket_timeout: float,
+        connect_timeout: float,
+        max_connections: int,
+        client_name: str | None,
+    ) -> None:
+        """Redis/Valkey Cluster: redis-py's cluster client routes each command by its keys'
+        slot (every script's keys share one hash tag), per node pools, and follows MOVED and
+        failovers. Blocking reads share it: the socket timeout bounds every command."""
+        try:
+            self.cluster = RedisCluster.from_url(
+                "redis://" + url[len(CLUSTER_SCHEME) :],
+                max_connections=max_connections,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+                socket_keepalive=True,
+                client_name=client_name,
+                decode_responses=False,
+            )
+        except (ValueError, rexc.RedisClusterException) as exc:
+            raise ConfigError(f"bad Redis Cluster URL {self.safe_url}: {exc}") from exc
+        self.client = self.blocking = self.cluster
+        self.scripts = {
+            name: self.client.register_script(load_script(name)) for name in SCRIPT_NAMES
+        }
+
+    async def open(self) -> None:
+        """Connect before the first command (a cluster client must learn its slots first:
+        concurrent first commands on a fresh cluster client race in redis-py)."""
+        if self.cluster is not None:
+            await self.run(self.cluster.initialize)
+
+    def listen_urls(self) -> list[str]:
+        """Plain URLs of the servers a pub/sub listener may use (any node of a cluster
+        hears every PUBLISH)."""
+        if self.cluster is None:
+            return [self.url]
+        parts = urlsplit("redis://" + self.url[len(CLUSTER_SCHEME) :])
+        auth = parts.netloc.rpartition("@")[0]
+        urls = []
+        for node in self.cluster.get_nodes():
+            netloc = f"{auth}@{node.host}:{node.port}" if auth else f"{node.host}:{node.port}"
+            urls.append(urlunsplit(("redis", netloc, "/0", parts.query, "")))
+        return urls
+
     async def run(self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None) -> T:
         self.stats.commands += 1
         try:
             return await op()
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, OSError) as exc:
             detail = str(exc)[:200] if isinstance(exc, rexc.RedisError) else ""
             raise BackendUnavailable(
                 f"cannot reach Redis at {self.safe_url}: {type(exc).__name__}"
@@ -240,6 +294,9 @@ class RedisConnection:
         )
 
     async def aclose(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.aclose()
+            return
         for client in (self.client, self.blocking):
             await client.aclose()
             await client.connection_pool.disconnect()  # a pool we made is ours to close

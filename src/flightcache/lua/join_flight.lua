@@ -33,6 +33,11 @@ end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local token = redis.call('HGET', KEYS[2], 'ownerToken') or '0'
+  if token == '0' and redis.call('HGET', KEYS[2], 'claimId') == ARGV[4] then
+    -- this very call, sent again after a lost reply (a driver retry): it is the claimer
+    local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry')
+    return {3, tonumber(claim[1]), claim[2]}
+  end
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
   end
