@@ -3,6 +3,7 @@
 See ``FlightCache`` for the API and ``docs/`` for the protocol.
 """
 
+from ._bloom import BloomFilter
 from ._cache import FlightCache
 from ._codec import Codec
 from ._embedded import EmbeddedServer
@@ -18,6 +19,8 @@ from ._errors import (
     ValueTooLarge,
 )
 from ._flight import Tuning
+from ._nodes import Invalidation, NodeInfo
+from ._ring import HashRing
 from ._streaming import FlightStream
 from ._types import MISSING, UNSET, FlightInfo
 
@@ -27,6 +30,7 @@ __all__ = [
     "MISSING",
     "UNSET",
     "BackendUnavailable",
+    "BloomFilter",
     "Codec",
     "ConfigError",
     "EmbeddedServer",
@@ -35,7 +39,10 @@ __all__ = [
     "FlightInfo",
     "FlightStream",
     "FlightTimeout",
+    "HashRing",
+    "Invalidation",
     "LeaseLost",
+    "NodeInfo",
     "RemoteError",
     "SerializationError",
     "StreamRestarted",

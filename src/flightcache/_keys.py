@@ -78,6 +78,11 @@ class KeySpace:
         self.node_info = f"{namespace}:nodeinfo:{{{namespace}}}"
         self.invalidations = f"{namespace}:invalidate"  # the pub/sub channel
 
+    def bloom(self, name: str) -> tuple[str, str]:
+        """A Bloom filter's bitmap and parameter keys, under one hash tag of their own."""
+        tag = f"{{{self.namespace}:bloom:{name}}}"
+        return f"{self.namespace}:bloom:{tag}", f"{self.namespace}:bloom-params:{tag}"
+
     def ack(self, digest: str, invalidation: str) -> str:
         """The list where nodes acknowledge one invalidation of one key."""
         return f"{self.namespace}:ack:{{{digest}}}:{invalidation}"

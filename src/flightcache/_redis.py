@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis import exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
 
 from ._errors import BackendUnavailable, ConfigError, FlightError
 from ._keys import FlightKeys
@@ -37,6 +37,8 @@ SCRIPT_NAMES = (
     "end_replace",
     "renew_node",
     "live_nodes",
+    "bloom_add",
+    "bloom_check",
 )
 
 
