@@ -135,7 +135,7 @@ async def test_a_value_the_codec_cannot_encode_is_a_serialization_error(
 
 
 async def test_a_key_that_is_not_json_is_refused_before_any_io(make_cache: Any) -> None:
-    fc = make_cache("redis://127.0.0.1:1/0")  # unreachable: proves nothing was sent
+    fc = make_cache("redis://127.0.0.1:1/0", fail_open=False)  # unreachable: nothing sent
 
     async def loader() -> str:
         return "v"
@@ -148,7 +148,7 @@ async def test_an_unreachable_server_is_backend_unavailable_without_the_password
     make_cache: Any,
 ) -> None:
     port = free_port()
-    fc = make_cache(f"redis://alice:s3cret-pw@127.0.0.1:{port}/0")
+    fc = make_cache(f"redis://alice:s3cret-pw@127.0.0.1:{port}/0", fail_open=False)
 
     async def loader() -> str:
         return "v"
@@ -277,13 +277,11 @@ async def test_a_frozen_server_fails_calls_within_the_socket_timeout(
     after about socket_timeout, never hang."""
     # No near cache: a leased copy would (rightly) answer the hit without the server.
     # A flight retries for failover_s when the server stops answering mid-flight.
-    quick = Tuning(failover_s=1.0)
-    fc = FlightCache(
-        private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False, tuning=quick
+    quick: dict[str, Any] = dict(
+        tuning=Tuning(failover_s=1.0), socket_timeout=1.0, near_cache=False, fail_open=False
     )
-    other = FlightCache(
-        private_server.url, namespace=namespace, socket_timeout=1.0, near_cache=False, tuning=quick
-    )
+    fc = FlightCache(private_server.url, namespace=namespace, **quick)
+    other = FlightCache(private_server.url, namespace=namespace, **quick)
     gate = asyncio.Event()
 
     async def slow() -> str:

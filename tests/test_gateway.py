@@ -731,7 +731,8 @@ def test_without_redis_it_fails_open_and_healthz_says_so(
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         with sync_client(gateway) as client:
             answer = client.chat.completions.with_raw_response.create(**chat("down"))
-        assert answer.headers["x-cache"] == "BYPASS"  # answered straight from the upstream
+        # Fail-open: the replica still coalesces identical requests in its own process.
+        assert answer.headers["x-cache"] == "MISS"
         assert len(answer.parse().choices[0].message.content.split()) == 32
         assert gateway.terminate() == 0
     finally:

@@ -254,7 +254,7 @@ async def test_a_new_connection_to_a_frozen_server_fails_instead_of_hanging(
     bounds only the TCP connect, which a SIGSTOPped server's kernel completes. So any call
     that needs a new connection (the first call, a burst, or the call after the sweeper cut
     one) hangs forever on a frozen server."""
-    fc = FlightCache(private_server.url, namespace=namespace, socket_timeout=1.0)
+    fc = FlightCache(private_server.url, namespace=namespace, socket_timeout=1.0, fail_open=False)
     os.kill(private_server.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -379,7 +379,7 @@ async def test_a_password_in_the_url_query_string_is_never_shown(make_cache: Any
     URLs). safe_url masks only the userinfo password and returns the URL unchanged when
     there is none, so the password appears in BackendUnavailable messages and in repr()."""
     port = free_port()
-    fc = make_cache(f"redis://127.0.0.1:{port}/0?password=s3cret-pw")
+    fc = make_cache(f"redis://127.0.0.1:{port}/0?password=s3cret-pw", fail_open=False)
     assert "s3cret" not in repr(fc)
     with pytest.raises(BackendUnavailable) as info:
         await fc.get("q")
@@ -437,3 +437,72 @@ async def test_guard_the_pool_returns_every_slot_after_cancelled_and_swept_comma
         assert len(pool._in_use_connections) == 0
     finally:
         await fc.aclose()
+
+
+async def test_a_refresh_of_a_large_value_runs_the_loader_once(make_cache: Any) -> None:
+    """A refresh follower that finds the flight ended with a value too large for the done
+    event reads the stored result instead of starting another flight."""
+    owner, follower = make_cache(), make_cache()
+    big = "x" * 100_000  # over the 64 KiB that ride inside the done event
+    runs: list[int] = []
+    gate = asyncio.Event()
+
+    async def loader() -> str:
+        runs.append(1)
+        await gate.wait()
+        return big
+
+    await owner.set("k", "old")
+    first = asyncio.ensure_future(owner.do("k", loader, refresh=True))
+    await asyncio.sleep(0.1)
+    second = asyncio.ensure_future(follower.do("k", loader, refresh=True))
+    await asyncio.sleep(0.1)
+    gate.set()
+    assert await first == await second == big
+    assert len(runs) == 1
+
+
+async def test_a_second_invalidation_during_the_first_still_waits_for_holders(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The first invalidation deleted the value and is still waiting; a second one must not
+    report "absent" (holders may still serve the value the first removed)."""
+    fc = make_cache()
+    fk = fc.keyspace.flight("k")
+    await redis_client.set(fk.marker, "an-invalidation-under-way", px=2000)
+    result = await fc.invalidate("k")
+    assert result.how != "absent"
+
+
+async def test_store_false_does_not_keep_errors_either(make_cache: Any) -> None:
+    fc = make_cache(error_ttl=60)
+    runs: list[int] = []
+
+    async def failing() -> str:
+        runs.append(1)
+        raise Boom("no")
+
+    for _ in range(2):
+        with pytest.raises(Boom):
+            await fc.do("q", failing, store=False)
+    assert len(runs) == 2
+
+
+def test_a_near_cache_copy_never_outlives_its_nodes_liveness() -> None:
+    from flightcache._near import Leaser, NearCache
+
+    now = [100.0]
+    near = NearCache(max_entries=10, max_bytes=1000, clock=lambda: now[0])
+    leaser = Leaser(
+        near,
+        lease_s=5.0,
+        skew_margin_s=0.25,
+        heard=lambda: 0,
+        live_until=lambda: 102.0,  # the live set lists this node until then
+        clock=lambda: now[0],
+    )
+    leaser.grant("d", b"jv", sent=100.0, ttl_left_ms=60_000, heard=0)
+    now[0] = 101.7
+    assert near.get("d") == b"jv"
+    now[0] = 101.8  # 102 - skew: past it, though the 5 s lease would run on
+    assert near.get("d") is None

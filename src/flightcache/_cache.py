@@ -15,7 +15,8 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ._codec import Codec, Envelope, make_codec
 from ._embedded import EmbeddedServer
-from ._errors import ConfigError, FlightError, SerializationError
+from ._errors import BackendUnavailable, ConfigError, FlightError, SerializationError
+from ._failopen import FailOpen
 from ._flight import RedisFlights, Tuning
 from ._jobs import Job, LoaderJob, Producer, StreamJob
 from ._keys import FlightKeys, KeySpace, canonical, describe_canonical, digest_of
@@ -30,6 +31,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 log = logging.getLogger("flightcache.near")
+
+INVALIDATE_CONCURRENCY = 8
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 
@@ -115,6 +118,7 @@ class FlightCache:
         skew_margin: float = 0.25,
         node_ttl: float = 6.0,
         cluster: bool = False,
+        fail_open: bool = True,
         tuning: Tuning | None = None,
     ) -> None:
         if not isinstance(url, str):
@@ -148,7 +152,11 @@ class FlightCache:
         if max_connections < 2:
             raise ConfigError(f"max_connections must be an int >= 2: {max_connections!r}")
         self._max_connections = max_connections
-        self.skew_margin = _seconds("skew_margin", skew_margin, minimum=-1e-9)
+        if isinstance(skew_margin, bool) or not isinstance(skew_margin, (int, float)):
+            raise ConfigError(f"skew_margin must be a number of seconds >= 0: {skew_margin!r}")
+        if skew_margin < 0:
+            raise ConfigError(f"skew_margin must be a number of seconds >= 0: {skew_margin!r}")
+        self.skew_margin = float(skew_margin)
         self.near_lease = _seconds("near_lease", near_lease, minimum=self.skew_margin)
         self.node_ttl = _seconds("node_ttl", node_ttl, minimum=0.05)
         for name, bound in (
@@ -162,6 +170,8 @@ class FlightCache:
         self._agent: NodeAgent | None = None
         self._leaser: Leaser | None = None
         self._redis_flights: RedisFlights | None = None
+        self._fail_open = fail_open
+        self._failopen: FailOpen | None = None
         self._started = False
         self._warned_ttls: set[int] = set()
         self._inflight: dict[str, _Slot] = {}
@@ -195,6 +205,13 @@ class FlightCache:
         self._flights = self._redis_flights = RedisFlights(
             self._conn, self.keyspace, self.envelope, self._stats, self.node_id, self._tuning
         )
+        self._failopen = FailOpen(
+            self.envelope,
+            self._stats,
+            enabled=self._fail_open,
+            url=safe_url(url),
+            local_ttl_s=self.near_lease,
+        )
         enabled, max_entries, max_bytes = self._near_settings
         if enabled:
             self._near = NearCache(max_entries=max_entries, max_bytes=max_bytes)
@@ -215,6 +232,7 @@ class FlightCache:
                 lease_s=self.near_lease,
                 skew_margin_s=self.skew_margin,
                 heard=lambda: agent.seq,
+                live_until=lambda: agent.live_until,
             )
 
     async def _ready(self) -> _Flights:
@@ -369,7 +387,7 @@ class FlightCache:
         if self._closed:
             self._settle(slot, FlightError("the FlightCache was closed", key=fk.digest))
             return
-        task = asyncio.ensure_future(flights.resolve(fk, job, opts))
+        task = asyncio.ensure_future(self._resolve(flights, fk, job, opts))
         self._tasks.add(task)
         heard = self._agent.seq if self._agent is not None else 0
 
@@ -390,16 +408,47 @@ class FlightCache:
         task.add_done_callback(finish)
 
     async def _lookup(self, flights: _Flights, fk: FlightKeys) -> bytes | None:
-        """The stored result; with a near cache, also leased when it may be."""
-        leaser, redis_flights = self._leaser, self._redis_flights
-        if leaser is None or redis_flights is None:
-            return await flights.lookup(fk)
-        heard = leaser.heard()
-        sent = time.monotonic()
-        data, ttl_left_ms, leasable = await redis_flights.lookup_leased(fk)
-        if data is not None and leasable:
-            leaser.grant(fk.digest, data, sent, ttl_left_ms, heard)
+        """The stored result; with a near cache, also leased when it may be. While the
+        server is down (fail-open), this process's own fallback store answers."""
+        fo = self._failopen
+        if fo is not None and fo.enabled and fo.skip_server():
+            return await fo.local.lookup(fk)
+        try:
+            leaser, redis_flights = self._leaser, self._redis_flights
+            if leaser is None or redis_flights is None:
+                data = await flights.lookup(fk)
+            else:
+                heard = leaser.heard()
+                sent = time.monotonic()
+                data, ttl_left_ms, leasable = await redis_flights.lookup_leased(fk)
+                if data is not None and leasable:
+                    leaser.grant(fk.digest, data, sent, ttl_left_ms, heard)
+        except BackendUnavailable as exc:
+            if fo is None or not fo.enabled:
+                raise
+            fo.failed(exc)
+            return await fo.local.lookup(fk)
+        if fo is not None and fo.down:
+            fo.worked()
         return data
+
+    async def _resolve(
+        self, flights: _Flights, fk: FlightKeys, job: Job, opts: CallOptions
+    ) -> bytes:
+        """The flight through the server, or, while it is down (fail-open), in this process."""
+        fo = self._failopen
+        if fo is None or not fo.enabled:
+            return await flights.resolve(fk, job, opts)
+        if not fo.skip_server():
+            try:
+                result = await flights.resolve(fk, job, opts)
+            except BackendUnavailable as exc:
+                fo.failed(exc)
+            else:
+                fo.worked()
+                return result
+        self._stats.fail_open += 1
+        return await fo.local.resolve(fk, job, opts)
 
     def _settle(self, slot: _Slot, outcome: bytes | BaseException) -> None:
         if self._inflight.get(slot.key) is slot:
@@ -460,14 +509,14 @@ class FlightCache:
     ) -> None:
         try:
             flights = await self._ready()
-            data = None if opts.refresh else await flights.lookup(fk)
+            data = None if opts.refresh else await self._lookup(flights, fk)
             if data is not None:
                 self._stats.hits += 1
                 local.opened(HIT)
                 local.complete(self._stream_chunks(data, fk))
                 return
             job = StreamJob(producer, self.envelope, fk.digest, local)
-            data = await flights.resolve(fk, job, opts)
+            data = await self._resolve(flights, fk, job, opts)
             local.opened(HIT)  # no-op unless the join itself found the result
             local.complete(None if data == b"" else self._stream_chunks(data, fk))
         except asyncio.CancelledError:
@@ -516,7 +565,15 @@ class FlightCache:
     async def invalidate_many(self, keys: Iterable[Any]) -> list[Invalidation]:
         """``invalidate`` for each key, concurrently."""
         fks = [self.keyspace.flight(key) for key in keys]
-        return list(await asyncio.gather(*(self._replace(fk, None, 0) for fk in fks)))
+        # Each waits on a blocking connection: at most a few at once, so a paused holder
+        # cannot take every connection this process's followers need.
+        gate = asyncio.Semaphore(INVALIDATE_CONCURRENCY)
+
+        async def one(fk: FlightKeys) -> Invalidation:
+            async with gate:
+                return await self._replace(fk, None, 0)
+
+        return list(await asyncio.gather(*(one(fk) for fk in fks)))
 
     async def set(self, key: Any, value: Any, *, ttl: float | None = None) -> Invalidation:
         """Store ``value`` (computed elsewhere); return when no node serves the old one."""
@@ -532,6 +589,17 @@ class FlightCache:
             assert isinstance(flights, MemoryFlights)
             return flights.replace(fk, data, ttl_ms)
         return await self._agent.invalidate(fk, data, ttl_ms)
+
+    async def ping(self) -> float:
+        """One round trip to the server, in seconds (0 for ``memory://``). It never fails
+        open: an unreachable server raises ``BackendUnavailable``, for health checks."""
+        await self._ready()
+        if self._conn is None:
+            return 0.0
+        client = self._conn.client
+        started = time.monotonic()
+        await self._conn.run(lambda: client.ping())
+        return time.monotonic() - started
 
     async def nodes(self) -> list[NodeInfo]:
         """The live nodes of this namespace (their liveness lease holds), by the server."""

@@ -145,7 +145,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from ._cache import FlightCache
 
     async def go() -> dict[str, Any]:
-        fc = FlightCache(args.redis, namespace=args.namespace)
+        fc = FlightCache(args.redis, namespace=args.namespace, fail_open=False, near_cache=False)
         try:
             info = await fc.inspect(args.key)
         finally:

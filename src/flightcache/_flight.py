@@ -210,6 +210,8 @@ class RedisFlights:
                     continue
                 if state.kind == ENDED:
                     ended = self._ended(state, job)
+                    if ended is None and state.ended == b"done":
+                        ended = await self.lookup(fk)  # a value too large to ride the event
                     if ended is not None:
                         return ended
                     state = await self._join(fk, opts, "always", refresh=opts.refresh)
@@ -376,7 +378,8 @@ class RedisFlights:
         except Exception as exc:
             await heartbeat.stop()
             self.stats.loader_errors += 1
-            await self._publish_error(fk, token, exc, ttl_ms=error_ttl_ms(exc, opts))
+            ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
+            await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
             raise
         await heartbeat.stop()
         if heartbeat.lost:  # the loader finished as the lease was found lost
@@ -463,9 +466,8 @@ class RedisFlights:
 
         Reading starts at the position the join saw, so every event read is about this
         flight: only writes under the then-current token reach the stream (the scripts are
-        fenced). The token check below is a second line of defence, not the first.
+        fenced), so no token needs checking here.
         """
-        newest = state.token  # 0 while the owner has not confirmed its claim
         lease_left = state.lease_left_ms
         last_id = state.last_id  # every event that can end this flight comes after it
         client = self.conn.blocking
@@ -489,10 +491,6 @@ class RedisFlights:
                         log_follow.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
                         job.on_claimed(entry_id)
                         continue
-                    tok = int(fields.get(b"tok", 0))
-                    if tok < newest:
-                        continue  # an older owner's event: cannot happen past our position
-                    newest = tok
                     if kind == b"chunk":
                         job.on_chunk(int(fields[b"s"]), fields[b"v"])
                         continue
@@ -523,5 +521,5 @@ class RedisFlights:
             if now.kind != FOLLOW:
                 return replace(now, since=last_id)
             job.on_follow(now.last_id)
-            newest, last_id = max(newest, now.token), now.last_id
+            last_id = now.last_id
             lease_left = now.lease_left_ms

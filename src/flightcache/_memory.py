@@ -28,11 +28,13 @@ class MemoryFlights:
         stats: Stats,
         *,
         ttl_jitter: float = 0.1,
+        max_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.envelope = envelope
         self.stats = stats
         self.ttl_jitter = ttl_jitter
+        self.max_ttl_ms = int(max_ttl_s * 1000) if max_ttl_s is not None else None
         self.clock = clock
         self._store: dict[str, tuple[float, bytes]] = {}
         self._running: set[str] = set()
@@ -48,6 +50,8 @@ class MemoryFlights:
         return data
 
     def _put(self, fk: FlightKeys, data: bytes, ttl_ms: int) -> None:
+        if self.max_ttl_ms is not None:
+            ttl_ms = min(ttl_ms, self.max_ttl_ms)
         self._store[fk.digest] = (self.clock() + ttl_ms / 1000, data)
 
     async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
@@ -70,7 +74,7 @@ class MemoryFlights:
             raise
         except Exception as exc:
             self.stats.loader_errors += 1
-            ttl_ms = error_ttl_ms(exc, opts)
+            ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0
             if ttl_ms > 0:
                 self._put(fk, self.envelope.encode_error(exc), ttl_ms)
             raise

@@ -83,12 +83,14 @@ class Leaser:
         lease_s: float,
         skew_margin_s: float,
         heard: Callable[[], int],
+        live_until: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.near = near
         self.lease_s = lease_s
         self.skew_margin_s = skew_margin_s
         self.heard = heard  # invalidations heard so far (a counter)
+        self.live_until = live_until  # until when the live set surely lists this node
         self.clock = clock
 
     def grant(self, digest: str, data: bytes, sent: float, ttl_left_ms: int, heard: int) -> None:
@@ -98,4 +100,6 @@ class Leaser:
         if self.heard() != heard or data[:1] == ERROR_TAG or ttl_left_ms <= 0:
             return
         lease = min(self.lease_s, ttl_left_ms / 1000)
-        self.near.put(digest, data, sent + lease - self.skew_margin_s)
+        # Never past this node's own liveness: an invalidation waits only for live nodes.
+        end = min(sent + lease, self.live_until()) - self.skew_margin_s
+        self.near.put(digest, data, end)

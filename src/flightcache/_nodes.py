@@ -132,17 +132,26 @@ class NodeAgent:
         self._listening = asyncio.Event()
         self._stopping = False
         self._pubsub_client: aioredis.Redis | None = None
+        # Until when the live set surely lists this node: a near-cache copy must not be
+        # trusted past it, or an invalidation could stop waiting for a node still serving.
+        self.live_until = clock()
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self._renew()  # live before the first call returns
+        registered = True
+        try:
+            await self._renew()  # live before the first call returns
+        except FlightError as exc:  # the heartbeat keeps trying; calls decide for themselves
+            registered = False
+            log.info("node %s: could not register as live yet: %s", self.node_id, exc)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._heartbeat()))
         if self.near is not None:
             self._tasks.append(loop.create_task(self._listen()))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._listening.wait(), 3.0)
+            if registered:  # a server that answered: hear invalidations before serving
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._listening.wait(), 3.0)
 
     async def aclose(self) -> None:
         self._stopping = True
@@ -180,12 +189,15 @@ class NodeAgent:
         )
 
     async def _renew(self) -> None:
+        sent = self.clock()
         await self.conn.script(
             "renew_node",
             None,
             (self.keyspace.nodes, self.keyspace.node_info),
             (self.node_id, int(self.node_ttl_s * 1000), self._info()),
         )
+        # The server keeps this node live until at least one TTL after the renewal was sent.
+        self.live_until = sent + self.node_ttl_s
 
     async def _heartbeat(self) -> None:
         while True:
@@ -210,6 +222,7 @@ class NodeAgent:
                 urls[attempt % len(urls)],
                 max_connections=2,
                 socket_connect_timeout=3.0,
+                socket_timeout=max(self.node_ttl_s, 2.0),  # subscribe and ping are bounded
                 socket_keepalive=True,
                 client_name=f"flightcache-listen:{self.node_id}".replace(" ", "_"),
             )
@@ -317,12 +330,14 @@ class NodeAgent:
             (fk.result, fk.marker, fk.meta),
             (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
         )
+        # The leases to outwait started no later than now: the delete has happened.
+        deadline = self.clock() + wait_s
         if value is None and not int(existed):
             return Invalidation("absent", 0, 0, self.clock() - started)
         message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
         client = self.conn.client
         await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message), fk)
-        acked = await self._await_acks(fk, invalidation, holders, started + wait_s)
+        acked = await self._await_acks(fk, invalidation, holders, deadline)
         how = "acked" if holders <= acked else "lease"
         if how == "acked":  # nobody can hold the old value: reads may lease again now
             await self.conn.script("end_replace", fk, (fk.marker,), (invalidation,))

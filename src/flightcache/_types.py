@@ -83,6 +83,7 @@ class Stats:
     lease_lost: int = 0
     fenced_writes: int = 0
     commands: int = 0
+    fail_open: int = 0  # calls answered by this process alone while the server was down
     owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
     extra: dict[str, int] = field(default_factory=dict)
 

@@ -41,7 +41,6 @@ __all__ = ["GatewayConfig", "make_app"]
 log = logging.getLogger("flightcache.gateway")
 
 MAX_ATTEMPTS = 3  # a flight restarted before this caller sent anything is joined again
-HEALTH_KEY = "flightcache-gateway:healthz"
 HEALTH_TIMEOUT_S = 2.0
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -101,6 +100,7 @@ class _Gateway:
             timeout=config.timeout,
             error_ttl=config.error_ttl,
             max_value_bytes=config.max_value_bytes,
+            near_cache=False,  # answers are streamed from the flight, never from a lease
         )
         async with http, fc:
             self._fc = fc
@@ -112,7 +112,7 @@ class _Gateway:
             )
             self.metrics.watch(lambda: fc.stats)
             try:
-                await asyncio.wait_for(fc.get(HEALTH_KEY), HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(fc.ping(), HEALTH_TIMEOUT_S)
             except (FlightError, asyncio.TimeoutError) as exc:
                 log.warning("the cache server does not answer yet (%s)", type(exc).__name__)
             try:
@@ -299,7 +299,7 @@ class _Gateway:
         started = time.perf_counter()
         backend = "embedded" if self.config.redis_url is None else "redis"
         try:
-            await asyncio.wait_for(fc.get(HEALTH_KEY), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(fc.ping(), HEALTH_TIMEOUT_S)
         except (FlightError, asyncio.TimeoutError) as exc:
             body = {"status": "unavailable", "backend": backend, "error": type(exc).__name__}
             return _json(body, 503)

@@ -5,12 +5,14 @@
 -- While the marker lives, readers serve without a lease. A flight running now is marked:
 -- its result was computed from inputs this call replaces, so it is delivered to its
 -- callers but not stored (the memcache-lease rule: a delete invalidates outstanding sets).
--- Returns 1 if a result was stored before, else 0
+-- Returns 1 if a result was stored before, or another invalidation of the key is still
+-- under way (its holders may still hold the value it removed), else 0
+local busy = redis.call('EXISTS', KEYS[2])
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('HSET', KEYS[3], 'invalidated', '1')
 end
-local existed = redis.call('EXISTS', KEYS[1])
+local existed = math.max(redis.call('EXISTS', KEYS[1]), busy)
 if ARGV[3] == '' then
   redis.call('DEL', KEYS[1])
 else
