@@ -1,4 +1,5 @@
-"""``python -m bench``: stampede and hit-path figures against a private embedded server."""
+"""``python -m bench``: stampede, hit-path, gateway and near-cache figures against a private
+embedded server."""
 
 from __future__ import annotations
 
@@ -20,20 +21,22 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _hitpath, _report, _stampede
+from . import _gateway, _hitpath, _near, _report, _stampede
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer rounds and ops (< 20 s)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and ops (< 30 s)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.add_argument("--processes", type=int, default=4, help="stampede worker processes")
     p.add_argument("--callers", type=int, default=50, help="concurrent callers per process")
     p.add_argument("--rounds", type=int, help="stampede rounds (default 5, 2 with --quick)")
     p.add_argument("--skip-stampede", action="store_true")
     p.add_argument("--skip-hit", action="store_true")
+    p.add_argument("--skip-gateway", action="store_true")
+    p.add_argument("--skip-near", action="store_true")
     args = p.parse_args(argv)
     if args.processes < 2 or args.callers < 1:
         p.error("need at least 2 processes and 1 caller per process")
@@ -92,14 +95,34 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    gateway: dict[str, Any]
+    near: dict[str, Any]
     if args.quick:
         stampede_rounds, hit = 2, {"rounds": 2, "ops": 5_000, "seconds": 0.4}
+        gateway = {
+            "bursts": 2,
+            "ttft_rounds": 3,
+            "overhead_requests": 150,
+            "overhead_s": 1.0,
+            "rate_rounds": 1,
+            "rate_s": 0.6,
+        }
+        near = {
+            "rounds": 2,
+            "redis_budget": (5_000, 0.25),
+            "near_budget": (100_000, 0.15),
+            "invalidations": 30,
+            "invalidation_s": 2.0,
+        }
     else:
         stampede_rounds, hit = 5, {"rounds": 3, "ops": 20_000, "seconds": 1.2}
+        gateway, near = {}, {}  # the defaults of _gateway.run and _near.run
     started = time.monotonic()
     server = EmbeddedServer()
     stampede: dict[str, Any] | None = None
     hitpath: dict[str, Any] | None = None
+    gateway_figures: dict[str, Any] | None = None
+    near_figures: dict[str, Any] | None = None
     try:
         server.start()
         env = {
@@ -125,9 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_hit:
             hitpath = asyncio.run(_hitpath.run(server.url, **hit))
             _report.print_hitpath(hitpath)
+        if not args.skip_gateway:
+            gateway_figures = asyncio.run(_gateway.run(server.url, **gateway))
+            _report.print_gateway(gateway_figures)
+        if not args.skip_near:
+            near_figures = asyncio.run(_near.run(server.url, **near))
+            _report.print_near(near_figures)
     finally:
         server.stop()
-    rows = _report.targets(stampede, hitpath)
+    rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
     print(f"\n(run took {elapsed:.1f} s)")
@@ -138,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             "elapsed_s": elapsed,
             "stampede": stampede,
             "hit_path": hitpath,
+            "gateway": gateway_figures,
+            "near_cache": near_figures,
             "targets": rows,
         }
         Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")
@@ -145,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     broken = stampede is not None and (
         any(r != 1 for r in stampede["loader_runs_per_round"]) or stampede["errors"]
     )
+    if gateway_figures is not None:
+        g = gateway_figures
+        broken = broken or any(c != 1 for c in g["upstream_calls_per_burst"])
+        broken = broken or bool(g["burst_errors"] or g["burst_mismatched"])
+    if near_figures is not None:
+        broken = broken or near_figures["invalidation"]["stale_reads"] > 0
     return 1 if broken else 0
 
 

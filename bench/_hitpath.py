@@ -1,5 +1,8 @@
 """Phase 2: the hit path, in one process: what a cached read costs next to a raw GET.
 
+The caches here have no near cache (``near_cache=False``): every hit is served by the
+server, which is the path this phase is about (the near cache has a phase of its own).
+
 Variants, all reading values already stored on the same server:
 
 - ``raw``: ``redis.asyncio.Redis.from_url(url).get(key)``, the baseline;
@@ -87,7 +90,9 @@ async def run(
     payload = b"j" + orjson.dumps(VALUE)  # the same bytes flightcache stores for VALUE
     raw = aioredis.Redis.from_url(url)
     raw_fc = fc_pool_client(url)
-    fc = FlightCache(url, namespace=NAMESPACE, max_connections=max(64, concurrency))
+    fc = FlightCache(
+        url, namespace=NAMESPACE, max_connections=max(64, concurrency), near_cache=False
+    )
     loader_calls = 0
 
     async def loader() -> dict[str, Any]:

@@ -41,14 +41,15 @@ class Worker:
         self.pid = proc.pid
 
     @classmethod
-    async def spawn(cls, url: str) -> Worker:
+    async def spawn(cls, url: str, *args: str, module: str = "bench._worker") -> Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "bench._worker",
+            module,
             url,
+            *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             cwd=str(ROOT),

@@ -76,7 +76,9 @@ async def stampede(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
 
 
 async def main(url: str) -> int:
-    fc = FlightCache(url, namespace=NAMESPACE, lease=3.0)
+    # node_ttl=60: the liveness heartbeat (one script call every node_ttl / 3 per process,
+    # not per flight) stays out of the rounds, whose commands are counted per process.
+    fc = FlightCache(url, namespace=NAMESPACE, lease=3.0, node_ttl=60.0)
     try:
         while True:
             line = await asyncio.to_thread(sys.stdin.readline)
