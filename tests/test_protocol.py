@@ -33,9 +33,9 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     conn = fc._conn
     await redis_client.hset(fk.meta, mapping={"ownerToken": "7", "status": "RUNNING"})
     keys = (fk.result, fk.meta, fk.stream, fk.waiters)
-    done_keys = (*keys, fk.marker)
+    done_keys = (*keys, fk.cost)
     stale = await conn.script(
-        "complete_flight", fk, done_keys, (6, b"jstale", 60_000, "1", 1000, "")
+        "complete_flight", fk, done_keys, (6, b"jstale", 60_000, "1", 1000, "", 5)
     )
     assert stale == 0
     assert await redis_client.get(fk.result) is None
@@ -48,7 +48,7 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     assert renewed == 0
     assert await redis_client.pttl(fk.meta) == -1  # untouched: no expiry was set
     current = await conn.script(
-        "complete_flight", fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "")
+        "complete_flight", fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "", 5)
     )
     assert current == 1
     assert await redis_client.get(fk.result) == b"jcurrent"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect as _inspect
 import logging
@@ -13,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
+from ._ahead import RefreshAhead
 from ._codec import Codec, Envelope, make_codec
 from ._embedded import EmbeddedServer
 from ._errors import BackendUnavailable, ConfigError, FlightError, SerializationError
@@ -33,6 +35,7 @@ R = TypeVar("R")
 log = logging.getLogger("flightcache.near")
 
 INVALIDATE_CONCURRENCY = 8
+DIGEST_MEMO = 10_000  # string keys whose digests are remembered
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 
@@ -174,6 +177,8 @@ class FlightCache:
         self._failopen: FailOpen | None = None
         self._started = False
         self._warned_ttls: set[int] = set()
+        self._ahead = RefreshAhead()
+        self._digests: dict[str, str] = {}
         self._inflight: dict[str, _Slot] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._streams: dict[str, LocalStream] = {}
@@ -302,6 +307,17 @@ class FlightCache:
             store=store,
         )
 
+    def _digest(self, key: Any) -> str:
+        """The key's digest; remembered for string keys, the hot path's common case."""
+        if type(key) is str:
+            digest = self._digests.get(key)
+            if digest is None:
+                if len(self._digests) >= DIGEST_MEMO:
+                    self._digests.clear()
+                digest = self._digests[key] = digest_of(canonical(key))
+            return digest
+        return digest_of(canonical(key))
+
     def _warn_short_ttl(self, ttl_s: float) -> None:
         if int(ttl_s * 1000) not in self._warned_ttls and len(self._warned_ttls) < 100:
             self._warned_ttls.add(int(ttl_s * 1000))
@@ -322,6 +338,7 @@ class FlightCache:
         timeout: float | None = None,
         refresh: bool = False,
         store: bool = True,
+        refresh_ahead: bool | float = False,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
@@ -329,21 +346,27 @@ class FlightCache:
         caller that is cancelled stops waiting; the flight goes on for the others. With
         ``refresh=True`` a stored value does not count: the call joins a running flight or
         starts one, whose value replaces the stored one. With ``store=False`` the value
-        goes to the flight's callers and is not stored (coalesced, not cached).
+        goes to the flight's callers and is not stored (coalesced, not cached). With
+        ``refresh_ahead`` (True, or the XFetch ``beta``: higher refreshes earlier) a hot value
+        is recomputed in the background shortly before it expires, by one flight, while
+        every caller keeps getting the current value.
         """
         if not callable(loader):
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
         if ttl is not None or lease is not None or timeout is not None:
             self._check_call(ttl, lease, timeout)
-        canon = canonical(key)
-        fk = self.keyspace.for_digest(digest_of(canon))
+        digest = self._digest(key)
         self._stats.calls += 1
         near = self._near
         if near is not None and not refresh:
-            data = near.get(fk.digest)
-            if data is not None:  # a leased copy: no round trip
+            data = near.get(digest)
+            if data is not None:  # a leased copy: no round trip, no key names
                 self._stats.hits += 1
-                return self.envelope.decode(data, key=fk.digest)
+                if refresh_ahead:
+                    fk = self.keyspace.for_digest(digest)
+                    self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
+                return self.envelope.decode(data, key=digest)
+        fk = self.keyspace.for_digest(digest)
         flights = self._flights
         if flights is None or not self._started or self._closed:
             flights = await self._ready()
@@ -358,10 +381,10 @@ class FlightCache:
         self._inflight[table_key] = slot
         # Hit path: one read in the caller's own task (no task, no future).
         try:
-            data = None if refresh else await self._lookup(flights, fk)
+            data = None if refresh else await self._lookup(flights, fk, bool(refresh_ahead))
         except asyncio.CancelledError:
             if slot.waited_on:  # others wait for this lookup: the flight goes on for them
-                opts = self._options(canon, ttl, lease, timeout, refresh, store)
+                opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
                 job = LoaderJob(loader, self.envelope, fk.digest)
                 self._start_flight(flights, fk, job, opts, slot)
             else:  # nobody else asked: no loader runs for nobody
@@ -373,8 +396,11 @@ class FlightCache:
         if data is not None:
             self._stats.hits += 1
             self._settle(slot, data)
+            if refresh_ahead:
+                self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
             return self.envelope.decode(data, key=fk.digest)
         job = LoaderJob(loader, self.envelope, fk.digest)
+        canon = canonical(key)
         opts = self._options(canon, ttl, lease, timeout, refresh, store)
         outcome = slot.wait()  # made before the flight can settle the slot
         self._start_flight(flights, fk, job, opts, slot)
@@ -400,14 +426,57 @@ class FlightCache:
                 self._settle(slot, exc)
             else:
                 result = t.result()
-                if self._leaser is not None and job.lease is not None:
+                if job.lease is not None:
                     sent, ttl_ms = job.lease
-                    self._leaser.grant(fk.digest, result, sent, ttl_ms, heard)
+                    self._ahead.saw(fk.digest, sent, ttl_ms, job.cost_ms)
+                    if self._leaser is not None:
+                        self._leaser.grant(fk.digest, result, sent, ttl_ms, heard)
                 self._settle(slot, result)
 
         task.add_done_callback(finish)
 
-    async def _lookup(self, flights: _Flights, fk: FlightKeys) -> bytes | None:
+    def _maybe_refresh(
+        self,
+        fk: FlightKeys,
+        key: Any,
+        loader: Loader,
+        beta: bool | float,
+        ttl: float | None,
+        lease: float | None,
+        timeout: float | None,
+    ) -> None:
+        left_ms = self._ahead.due(fk.digest, 1.0 if beta is True else float(beta))
+        if left_ms is None or self._closed:
+            return
+        opts = self._options(canonical(key), ttl, lease, timeout, refresh=True)
+        # Skip the work if, by the time the join runs, someone else refreshed the value.
+        margin_ms = max(50, opts.ttl_ms // 10)
+        opts = dataclasses.replace(opts, refresh_below_ms=left_ms + margin_ms)
+        self._ahead.running.add(fk.digest)
+        self._stats.refreshes_ahead += 1
+        task = asyncio.ensure_future(self._refresh_in_background(fk, loader, opts))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_in_background(
+        self, fk: FlightKeys, loader: Loader, opts: CallOptions
+    ) -> None:
+        try:
+            flights = await self._ready()
+            job = LoaderJob(loader, self.envelope, fk.digest)
+            heard = self._agent.seq if self._agent is not None else 0
+            result = await self._resolve(flights, fk, job, opts)
+            if job.lease is not None:
+                sent, ttl_ms = job.lease
+                self._ahead.saw(fk.digest, sent, ttl_ms, job.cost_ms)
+                if self._leaser is not None:
+                    self._leaser.grant(fk.digest, result, sent, ttl_ms, heard)
+        except Exception as exc:  # the current value stays; a caller will try again
+            log.info("refresh-ahead of %s failed: %r", fk.digest, exc)
+        finally:
+            self._ahead.running.discard(fk.digest)
+
+    async def _lookup(self, flights: _Flights, fk: FlightKeys, track: bool = False) -> bytes | None:
         """The stored result; with a near cache, also leased when it may be. While the
         server is down (fail-open), this process's own fallback store answers."""
         fo = self._failopen
@@ -415,14 +484,18 @@ class FlightCache:
             return await fo.local.lookup(fk)
         try:
             leaser, redis_flights = self._leaser, self._redis_flights
-            if leaser is None or redis_flights is None:
+            if redis_flights is None or (leaser is None and not track):
                 data = await flights.lookup(fk)
+                if track and data is not None and isinstance(flights, MemoryFlights):
+                    self._ahead.saw(fk.digest, time.monotonic(), flights.ttl_left_ms(fk), None)
             else:
-                heard = leaser.heard()
+                heard = leaser.heard() if leaser is not None else 0
                 sent = time.monotonic()
-                data, ttl_left_ms, leasable = await redis_flights.lookup_leased(fk)
-                if data is not None and leasable:
+                data, ttl_left_ms, leasable, cost_ms = await redis_flights.lookup_full(fk)
+                if data is not None and leasable and leaser is not None:
                     leaser.grant(fk.digest, data, sent, ttl_left_ms, heard)
+                if data is not None and track:
+                    self._ahead.saw(fk.digest, sent, ttl_left_ms, cost_ms)
         except BackendUnavailable as exc:
             if fo is None or not fo.enabled:
                 raise
@@ -448,7 +521,9 @@ class FlightCache:
                 fo.worked()
                 return result
         self._stats.fail_open += 1
-        return await fo.local.resolve(fk, job, opts)
+        result = await fo.local.resolve(fk, job, opts)
+        job.lease = None  # this process's own answer: nothing the server could lease
+        return result
 
     def _settle(self, slot: _Slot, outcome: bytes | BaseException) -> None:
         if self._inflight.get(slot.key) is slot:
@@ -538,18 +613,18 @@ class FlightCache:
 
     async def get(self, key: Any) -> Any:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""
-        fk = self.keyspace.flight(key)
+        digest = self._digest(key)
         self._stats.gets += 1
-        data = self._near.get(fk.digest) if self._near is not None else None
+        data = self._near.get(digest) if self._near is not None else None
         if data is None:
             flights = self._flights
             if flights is None or not self._started or self._closed:
                 flights = await self._ready()
-            data = await self._lookup(flights, fk)
+            data = await self._lookup(flights, self.keyspace.for_digest(digest))
         if data is None or self.envelope.is_error(data):
             return MISSING
         self._stats.get_hits += 1
-        return self.envelope.decode(data, key=fk.digest)
+        return self.envelope.decode(data, key=digest)
 
     async def invalidate(self, key: Any) -> Invalidation:
         """Delete the stored result; return when no node can still serve the old one.

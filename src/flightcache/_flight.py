@@ -127,13 +127,13 @@ class RedisFlights:
         data: Any = await self.conn.run(lambda: client.get(fk.result), fk)
         return cast("bytes | None", data)
 
-    async def lookup_leased(self, fk: FlightKeys) -> tuple[bytes | None, int, bool]:
-        """The stored result, its time left in ms, and whether it may be leased (no
-        invalidation or replacement of it is under way)."""
-        value, ttl_left, marked = await self.conn.script(
-            "read_result", fk, (fk.result, fk.marker), ()
+    async def lookup_full(self, fk: FlightKeys) -> tuple[bytes | None, int, bool, int]:
+        """The stored result, its time left in ms, whether it may be leased (no invalidation
+        or replacement of it is under way), and how long it took to compute, in ms."""
+        value, ttl_left, marked, cost = await self.conn.script(
+            "read_result", fk, (fk.result, fk.marker, fk.cost), ()
         )
-        return value, int(ttl_left), not int(marked)
+        return value, int(ttl_left), not int(marked), int(cost)
 
     async def inspect(self, fk: FlightKeys) -> FlightInfo:
         async def pipeline() -> list[Any]:
@@ -281,6 +281,7 @@ class RedisFlights:
                 opts.lease_ms + self.tuning.stream_linger_ms,
                 "1" if refresh else "0",
                 since,
+                opts.refresh_below_ms,
             ),
         )
         return _state(reply, claim_id)
@@ -319,6 +320,7 @@ class RedisFlights:
         self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
     ) -> bytes:
         self.stats.loader_runs += 1
+        ran_from = self.clock()
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
         chunks = [0]
 
@@ -393,7 +395,7 @@ class RedisFlights:
             await self.conn.script(
                 "complete_flight",
                 fk,
-                (fk.result, fk.meta, fk.stream, fk.waiters),
+                (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
                 (
                     token,
                     encoded,
@@ -401,11 +403,13 @@ class RedisFlights:
                     "1" if small else "0",
                     self.tuning.stream_linger_ms,
                     count,
+                    int((sent - ran_from) * 1000),  # the loader's cost, for refresh-ahead
                 ),
             )
         )
         if written == 0:
             self._fenced(fk, token)
+        job.cost_ms = int((sent - ran_from) * 1000)
         if written == 1:  # stored (2: delivered only, an invalidation is under way)
             job.lease = (sent, ttl_ms)
         return encoded
@@ -503,6 +507,7 @@ class RedisFlights:
                             value = await self.lookup(fk)
                         elif b"x" in fields:  # stored: a near cache may lease it
                             job.lease = (sent, int(fields[b"x"]))
+                            job.cost_ms = int(fields.get(b"c", 0)) or None
                         if value is not None:
                             return bytes(value)
                         # the result is gone already (evicted, or a tiny TTL): start over

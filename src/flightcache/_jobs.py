@@ -37,6 +37,7 @@ class LoaderJob:
         # (when the request that delivered the stored value was sent, its TTL in ms): set
         # when the result may be leased by a near cache
         self.lease: tuple[float, int] | None = None
+        self.cost_ms: int | None = None  # how long the loader ran, when known
 
     async def run(self, append: Append | None) -> bytes:
         value = await self.loader()
@@ -74,6 +75,7 @@ class StreamJob:
         self.local = local
         self.generation: bytes | None = None  # the claim whose chunks `local` holds
         self.lease: tuple[float, int] | None = None  # streams are not near-cached
+        self.cost_ms: int | None = None
 
     async def run(self, append: Append | None) -> bytes:
         self.local.opened(MISS)

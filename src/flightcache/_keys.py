@@ -65,6 +65,7 @@ class FlightKeys:
     stream: str
     waiters: str
     marker: str  # set while an invalidation or replacement of the key is under way
+    cost: str  # how long the stored result took to compute (ms), for refresh-ahead
 
 
 class KeySpace:
@@ -99,4 +100,5 @@ class KeySpace:
             stream=f"{ns}:stream:{{{d}}}",
             waiters=f"{ns}:waiters:{{{d}}}",
             marker=f"{ns}:inval:{{{d}}}",
+            cost=f"{ns}:cost:{{{d}}}",
         )

@@ -49,6 +49,10 @@ class MemoryFlights:
             return None
         return data
 
+    def ttl_left_ms(self, fk: FlightKeys) -> int:
+        item = self._store.get(fk.digest)
+        return int((item[0] - self.clock()) * 1000) if item is not None else -2
+
     def _put(self, fk: FlightKeys, data: bytes, ttl_ms: int) -> None:
         if self.max_ttl_ms is not None:
             ttl_ms = min(ttl_ms, self.max_ttl_ms)
@@ -62,6 +66,7 @@ class MemoryFlights:
         self.stats.misses += 1
         self.stats.loader_runs += 1
         self._running.add(fk.digest)
+        ran_from = self.clock()
         work = asyncio.ensure_future(job.run(None))
         try:
             data = await wait_bounded(work, opts.timeout_s, fk.digest)
@@ -82,7 +87,10 @@ class MemoryFlights:
             self._running.discard(fk.digest)
         if opts.store:
             jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
+            stored_at = self.clock()
+            job.cost_ms = int((stored_at - ran_from) * 1000)
             self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
+            job.lease = (stored_at, self.ttl_left_ms(fk))
         return data
 
     def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:

@@ -39,6 +39,7 @@ class CallOptions:
     key_text: str
     refresh: bool = False  # recompute even when a result is stored (and overwrite it)
     store: bool = True  # False: deliver the result to the flight's callers, store nothing
+    refresh_below_ms: int = 0  # a refresh-ahead: only if the stored result has this little left
 
     @property
     def wait_bound_s(self) -> float:
@@ -83,6 +84,7 @@ class Stats:
     lease_lost: int = 0
     fenced_writes: int = 0
     commands: int = 0
+    refreshes_ahead: int = 0  # background recomputations started before a value expired
     fail_open: int = 0  # calls answered by this process alone while the server was down
     owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
     extra: dict[str, int] = field(default_factory=dict)

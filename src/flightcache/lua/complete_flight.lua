@@ -1,5 +1,5 @@
 -- complete_flight: the owner's fenced write of the result.
--- KEYS[1] result   KEYS[2] meta   KEYS[3] stream   KEYS[4] waiters
+-- KEYS[1] result   KEYS[2] meta   KEYS[3] stream   KEYS[4] waiters   KEYS[5] cost
 -- A flight that an invalidation marked (meta field `invalidated`) delivers its result but
 -- does not store it: it was computed from what the invalidation replaced.
 -- ARGV[1] token   ARGV[2] encoded value   ARGV[3] result TTL ms (jitter applied; 0: do not
@@ -8,7 +8,9 @@
 -- ARGV[5] how long the stream lingers after the flight, ms
 -- ARGV[6] chunk count of a stream flight ('' for a value), carried in the done event so a
 --         follower knows it saw every chunk
--- The done event carries `x`, the result's TTL ms, or `nc` = 1 when it was not stored.
+-- ARGV[7] how long the loader ran, ms (kept beside the result for refresh-ahead)
+-- The done event carries `x` (the result's TTL ms) and `c` (ARGV[7]), or `nc` = 1 when
+-- the result was not stored.
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
 -- the token is not the current owner's, nothing was written
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
@@ -18,8 +20,11 @@ local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidate
 local event = {'t', 'done', 'tok', ARGV[1]}
 if stored then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[3])
   table.insert(event, 'x')
   table.insert(event, ARGV[3])
+  table.insert(event, 'c')
+  table.insert(event, ARGV[7])
 else
   table.insert(event, 'nc')
   table.insert(event, '1')

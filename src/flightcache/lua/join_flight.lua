@@ -10,6 +10,8 @@
 --         one that will overwrite it), '0' otherwise
 -- ARGV[10] a follower's stream position ('' for none): if the flight it followed ended
 --         after it (an error or done whose result is not stored), say so instead of claiming
+-- ARGV[11] with refresh, a refresh-ahead: ignore the stored result only while it has at
+--         most this many ms left ('0': always); one with more was refreshed already
 -- Returns {1, value}                        hit: the stored value (or error record)
 --         {2, token, lease_left_ms, rank, from_id}
 --                                           follow: a flight is live; token is '0' while its
@@ -24,9 +26,9 @@
 --         {0, rank}                         vacant and not claimed: not first in the queue
 --         {4, type, v, n}                   ended: the newest event after ARGV[10] is a
 --                                           `done` or `error` (v, n: its fields, or '')
-if ARGV[9] ~= '1' then
+if ARGV[9] ~= '1' or (tonumber(ARGV[11]) or 0) > 0 then
   local value = redis.call('GET', KEYS[1])
-  if value then
+  if value and (ARGV[9] ~= '1' or redis.call('PTTL', KEYS[1]) > tonumber(ARGV[11])) then
     return {1, value}
   end
 end

@@ -1,0 +1,77 @@
+"""Refresh-ahead (XFetch): a hot key is recomputed before it expires, never missed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from flightcache import FlightCache
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nodes", [1, 3])
+async def test_a_hot_key_never_misses_across_its_expiries(
+    backend_url: str, namespace: str, nodes: int
+) -> None:
+    if backend_url == "memory://" and nodes > 1:
+        pytest.skip("memory:// is one process")
+    caches = [FlightCache(backend_url, namespace=namespace) for _ in range(nodes)]
+    ttl, cost, duration = 1.0, 0.1, 4.0
+    runs: list[tuple[float, float]] = []
+    running = 0
+    overlapped = False
+
+    async def loader() -> int:
+        nonlocal running, overlapped
+        running += 1
+        overlapped |= running > 1
+        started = time.monotonic()
+        await asyncio.sleep(cost)
+        running -= 1
+        runs.append((started, time.monotonic()))
+        return len(runs)
+
+    try:
+        for fc in caches:  # warm: the one miss there is
+            await fc.do("hot", loader, ttl=ttl, refresh_ahead=True)
+        waits: list[float] = []
+        t0 = time.monotonic()
+
+        async def hammer(fc: FlightCache) -> None:
+            while time.monotonic() - t0 < duration:
+                started = time.monotonic()
+                await fc.do("hot", loader, ttl=ttl, refresh_ahead=True)
+                waits.append(time.monotonic() - started)
+                await asyncio.sleep(0.002)
+
+        await asyncio.gather(*(hammer(fc) for fc in caches for _ in range(3)))
+        # No caller ever waited for the loader: the value was replaced before it expired.
+        assert max(waits) < cost / 2, sorted(waits)[-5:]
+        assert not overlapped  # one recomputation at a time, across every node
+        # Each stored value is recomputed once: at most one run per half TTL (XFetch at
+        # this call rate starts a refresh some way before the expiry), and at least one
+        # per TTL (else a value would have expired).
+        refreshed = len(runs) - 1
+        assert duration / ttl - 1 <= refreshed <= duration / (ttl / 2) + 1, runs
+        assert sum(fc.stats["refreshes_ahead"] for fc in caches) >= refreshed
+    finally:
+        for fc in caches:
+            await fc.aclose()
+
+
+async def test_without_refresh_ahead_an_expiry_is_a_miss(make_cache: Any) -> None:
+    """The control: the same key without refresh-ahead does make a caller wait."""
+    fc = make_cache()
+
+    async def loader() -> str:
+        await asyncio.sleep(0.1)
+        return "v"
+
+    await fc.do("k", loader, ttl=0.3)
+    await asyncio.sleep(0.4)
+    started = time.monotonic()
+    await fc.do("k", loader, ttl=0.3)
+    assert time.monotonic() - started >= 0.09
