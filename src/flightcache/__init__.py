@@ -22,12 +22,13 @@ from ._flight import Tuning
 from ._nodes import Invalidation, NodeInfo
 from ._ring import HashRing
 from ._streaming import FlightStream
-from ._types import MISSING, UNSET, FlightInfo
+from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MISSING",
+    "NOT_FOUND",
     "UNSET",
     "BackendUnavailable",
     "BloomFilter",

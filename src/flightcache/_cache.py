@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ._ahead import RefreshAhead
+from ._bloom import BloomFilter
 from ._codec import Codec, Envelope, make_codec
 from ._embedded import EmbeddedServer
 from ._errors import BackendUnavailable, ConfigError, FlightError, SerializationError
@@ -27,7 +28,7 @@ from ._near import Leaser, NearCache
 from ._nodes import Invalidation, NodeAgent, NodeInfo
 from ._redis import RedisConnection, safe_url
 from ._streaming import HIT, FlightStream, LocalStream
-from ._types import MISSING, CallOptions, FlightInfo, Loader, Stats
+from ._types import MISSING, NOT_FOUND, CallOptions, FlightInfo, Loader, Stats
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -122,6 +123,7 @@ class FlightCache:
         node_ttl: float = 6.0,
         cluster: bool = False,
         fail_open: bool = True,
+        not_found_ttl: float = 60.0,
         tuning: Tuning | None = None,
     ) -> None:
         if not isinstance(url, str):
@@ -139,6 +141,7 @@ class FlightCache:
         if isinstance(error_ttl, bool) or not isinstance(error_ttl, (int, float)) or error_ttl < 0:
             raise ConfigError(f"error_ttl must be a number of seconds >= 0: {error_ttl!r}")
         self.error_ttl = float(error_ttl)
+        self.not_found_ttl = _seconds("not_found_ttl", not_found_ttl)
         if (
             isinstance(max_value_bytes, bool)
             or not isinstance(max_value_bytes, int)
@@ -302,6 +305,7 @@ class FlightCache:
             lease_ms=int((self.lease if lease is None else lease) * 1000),
             timeout_s=float(self.timeout if timeout is None else timeout),
             error_ttl_ms=int(self.error_ttl * 1000),
+            not_found_ttl_ms=int(self.not_found_ttl * 1000),
             key_text=describe_canonical(canon),
             refresh=refresh,
             store=store,
@@ -339,6 +343,8 @@ class FlightCache:
         refresh: bool = False,
         store: bool = True,
         refresh_ahead: bool | float = False,
+        not_found: tuple[type[BaseException], ...] = (),
+        admit: BloomFilter | None = None,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
@@ -349,7 +355,10 @@ class FlightCache:
         goes to the flight's callers and is not stored (coalesced, not cached). With
         ``refresh_ahead`` (True, or the XFetch ``beta``: higher refreshes earlier) a hot value
         is recomputed in the background shortly before it expires, by one flight, while
-        every caller keeps getting the current value.
+        every caller keeps getting the current value. A loader that returns ``NOT_FOUND``,
+        or raises one of the ``not_found`` exception types, gives every caller ``NOT_FOUND``,
+        cached for ``not_found_ttl``. With ``admit`` (a ``BloomFilter``), a key the filter
+        has never seen is answered ``NOT_FOUND`` at once: one round trip, no loader.
         """
         if not callable(loader):
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
@@ -366,6 +375,9 @@ class FlightCache:
                     fk = self.keyspace.for_digest(digest)
                     self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
                 return self.envelope.decode(data, key=digest)
+        if admit is not None and not await admit.contains(key):
+            self._stats.rejected += 1
+            return NOT_FOUND
         fk = self.keyspace.for_digest(digest)
         flights = self._flights
         if flights is None or not self._started or self._closed:
@@ -385,7 +397,7 @@ class FlightCache:
         except asyncio.CancelledError:
             if slot.waited_on:  # others wait for this lookup: the flight goes on for them
                 opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
-                job = LoaderJob(loader, self.envelope, fk.digest)
+                job = LoaderJob(loader, self.envelope, fk.digest, not_found)
                 self._start_flight(flights, fk, job, opts, slot)
             else:  # nobody else asked: no loader runs for nobody
                 self._settle(slot, asyncio.CancelledError())
@@ -399,7 +411,7 @@ class FlightCache:
             if refresh_ahead:
                 self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
             return self.envelope.decode(data, key=fk.digest)
-        job = LoaderJob(loader, self.envelope, fk.digest)
+        job = LoaderJob(loader, self.envelope, fk.digest, not_found)
         canon = canonical(key)
         opts = self._options(canon, ttl, lease, timeout, refresh, store)
         outcome = slot.wait()  # made before the flight can settle the slot

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from ._types import NOT_FOUND
 from ._errors import (
     ConfigError,
     FlightTimeout,
@@ -23,6 +24,7 @@ from ._errors import (
 
 ERROR_TAG = b"e"
 STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chunks
+NOT_FOUND_TAG = b"n"  # the loader said the thing does not exist (flightcache.NOT_FOUND)
 MAX_ERROR_MESSAGE = 2000
 MAX_ERROR_RECORD = 64 * 1024  # an error's details past this are dropped (the error is kept)
 
@@ -102,7 +104,7 @@ def make_codec(codec: str | Codec) -> Codec:
     if (
         not isinstance(tag, bytes)
         or len(tag) != 1
-        or tag in (ERROR_TAG, STREAM_TAG, b"j", b"m", b"p")
+        or tag in (ERROR_TAG, STREAM_TAG, NOT_FOUND_TAG, b"j", b"m", b"p")
     ):
         raise ConfigError("a custom codec needs a one-byte .tag not used by the built-in codecs")
     return codec
@@ -156,6 +158,8 @@ class Envelope:
     def decode(self, data: bytes, *, key: str | None = None) -> Any:
         """The value in ``data``; raises the stored error when ``data`` is an error record."""
         tag = data[:1]
+        if tag == NOT_FOUND_TAG:
+            return NOT_FOUND
         if tag == self.codec.tag:
             try:
                 return self.codec.loads(data[1:])

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from ._codec import Envelope
+from ._codec import NOT_FOUND_TAG, Envelope
 from ._errors import (
     BackendUnavailable,
     FlightError,
@@ -389,7 +389,8 @@ class RedisFlights:
             raise _Lost()
         small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
         count = "" if job.inline_ok else str(chunks[0])
-        ttl_ms = self._jittered(opts.ttl_ms) if opts.store else 0
+        ttl = opts.not_found_ttl_ms if encoded == NOT_FOUND_TAG else opts.ttl_ms
+        ttl_ms = self._jittered(ttl) if opts.store and ttl > 0 else 0
         sent = self.clock()
         written = int(
             await self.conn.script(

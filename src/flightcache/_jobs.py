@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ._codec import Envelope
+from ._codec import NOT_FOUND_TAG, Envelope
 from ._errors import ValueTooLarge
 from ._streaming import COALESCED, MISS, LocalStream
-from ._types import Loader
+from ._types import NOT_FOUND, Loader
 
 STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack array prefix)
 OWN = b"own"  # the generation of chunks this process produced itself
@@ -30,17 +30,29 @@ class LoaderJob:
 
     inline_ok = True  # a small value may ride inside the done event
 
-    def __init__(self, loader: Loader, envelope: Envelope, digest: str) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        envelope: Envelope,
+        digest: str,
+        not_found: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self.loader = loader
         self.envelope = envelope
         self.digest = digest
+        self.not_found = not_found  # exceptions that mean "does not exist"
         # (when the request that delivered the stored value was sent, its TTL in ms): set
         # when the result may be leased by a near cache
         self.lease: tuple[float, int] | None = None
         self.cost_ms: int | None = None  # how long the loader ran, when known
 
     async def run(self, append: Append | None) -> bytes:
-        value = await self.loader()
+        try:
+            value = await self.loader()
+        except self.not_found:
+            return NOT_FOUND_TAG
+        if value is NOT_FOUND:
+            return NOT_FOUND_TAG
         return self.envelope.encode(value, key=self.digest)
 
     def on_follow(self, claim_entry: bytes) -> None:

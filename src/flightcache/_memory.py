@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 
-from ._codec import Envelope
+from ._codec import NOT_FOUND_TAG, Envelope
 from ._errors import FlightTimeout, SerializationError, ValueTooLarge
 from ._jobs import Job
 from ._keys import FlightKeys
@@ -85,11 +85,12 @@ class MemoryFlights:
             raise
         finally:
             self._running.discard(fk.digest)
-        if opts.store:
+        ttl_ms = opts.not_found_ttl_ms if data == NOT_FOUND_TAG else opts.ttl_ms
+        if opts.store and ttl_ms > 0:
             jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
             stored_at = self.clock()
             job.cost_ms = int((stored_at - ran_from) * 1000)
-            self._put(fk, data, max(1, int(opts.ttl_ms * (1 + jitter))))
+            self._put(fk, data, max(1, int(ttl_ms * (1 + jitter))))
             job.lease = (stored_at, self.ttl_left_ms(fk))
         return data
 

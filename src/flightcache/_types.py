@@ -11,6 +11,7 @@ from typing import Any, Final
 class _Sentinel(enum.Enum):
     MISSING = "MISSING"
     UNSET = "UNSET"
+    NOT_FOUND = "NOT_FOUND"
 
     def __repr__(self) -> str:
         return f"flightcache.{self.value}"
@@ -23,6 +24,10 @@ MISSING: Final = _Sentinel.MISSING
 """What ``get`` returns when nothing is cached."""
 
 UNSET: Final = _Sentinel.UNSET
+
+NOT_FOUND: Final = _Sentinel.NOT_FOUND
+"""A loader's answer that the thing does not exist: cached for ``not_found_ttl``, and what
+every caller of that key gets back (penetration protection: a missing key costs one load)."""
 """Marks an argument that was not given, where ``None`` means something else."""
 
 Loader = Callable[[], Awaitable[Any]]
@@ -39,6 +44,7 @@ class CallOptions:
     key_text: str
     refresh: bool = False  # recompute even when a result is stored (and overwrite it)
     store: bool = True  # False: deliver the result to the flight's callers, store nothing
+    not_found_ttl_ms: int = 60_000
     refresh_below_ms: int = 0  # a refresh-ahead: only if the stored result has this little left
 
     @property
@@ -84,6 +90,7 @@ class Stats:
     lease_lost: int = 0
     fenced_writes: int = 0
     commands: int = 0
+    rejected: int = 0  # do() calls a Bloom filter answered NOT_FOUND without any load
     refreshes_ahead: int = 0  # background recomputations started before a value expired
     fail_open: int = 0  # calls answered by this process alone while the server was down
     owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
