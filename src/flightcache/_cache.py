@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ._ahead import RefreshAhead
@@ -27,6 +27,7 @@ from ._memory import MemoryFlights
 from ._near import Leaser, NearCache
 from ._nodes import Invalidation, NodeAgent, NodeInfo
 from ._redis import RedisConnection, safe_url
+from ._sharded import ShardedFlights
 from ._streaming import HIT, FlightStream, LocalStream
 from ._types import MISSING, NOT_FOUND, CallOptions, FlightInfo, Loader, Stats
 
@@ -36,6 +37,7 @@ R = TypeVar("R")
 log = logging.getLogger("flightcache.near")
 
 INVALIDATE_CONCURRENCY = 8
+SHARD_SCHEMES = ("redis://", "rediss://", "unix://")
 DIGEST_MEMO = 10_000  # string keys whose digests are remembered
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
@@ -104,7 +106,7 @@ class FlightCache:
 
     def __init__(
         self,
-        url: str = "embedded://",
+        url: str | Sequence[str] = "embedded://",
         *,
         namespace: str = "flightcache",
         ttl: float = 3600.0,
@@ -126,6 +128,15 @@ class FlightCache:
         not_found_ttl: float = 60.0,
         tuning: Tuning | None = None,
     ) -> None:
+        shards: list[str] = []
+        if isinstance(url, (list, tuple)):  # client-side sharding over standalone servers
+            shards = [str(u) for u in url]
+            if not shards or not all(u.startswith(SHARD_SCHEMES) for u in shards):
+                raise ConfigError(
+                    "a list of URLs shards over standalone servers: give one or more "
+                    "redis://, rediss:// or unix:// URLs"
+                )
+            url = ",".join(safe_url(u) for u in shards)
         if not isinstance(url, str):
             raise ConfigError(f"url must be a string, not {type(url).__name__}")
         if cluster:
@@ -175,7 +186,7 @@ class FlightCache:
         self._near: NearCache | None = None
         self._agent: NodeAgent | None = None
         self._leaser: Leaser | None = None
-        self._redis_flights: RedisFlights | None = None
+        self._redis_flights: RedisFlights | ShardedFlights | None = None
         self._fail_open = fail_open
         self._failopen: FailOpen | None = None
         self._started = False
@@ -190,34 +201,62 @@ class FlightCache:
         self._flights: _Flights | None = None
         self._closed = False
         self._start_lock = asyncio.Lock()
-        if url.startswith("memory://"):
+        self._conns: list[RedisConnection] = []
+        if shards:
+            self._connect(shards)
+        elif url.startswith("memory://"):
             self._flights = MemoryFlights(
                 self.envelope, self._stats, ttl_jitter=self._tuning.ttl_jitter
             )
         elif url.startswith(REDIS_SCHEMES):
-            self._connect(url)
+            self._connect([url])
         elif not url.startswith("embedded://"):
             raise ConfigError(
                 f"unsupported URL {safe_url(url)!r}: use redis://, rediss://, unix://, "
                 "redis+cluster://, memory:// or embedded://"
             )
 
-    def _connect(self, url: str) -> None:
-        self._conn = RedisConnection(
-            url,
-            stats=self._stats,
-            socket_timeout=self._socket_timeout,
-            max_connections=self._max_connections,
-            client_name=f"flightcache:{self.node_id}".replace(" ", "_"),
-        )
-        self._flights = self._redis_flights = RedisFlights(
-            self._conn, self.keyspace, self.envelope, self._stats, self.node_id, self._tuning
-        )
+    def _connect(self, urls: list[str]) -> None:
+        """One server, or several (sharded): the first is the designated one, holding
+        owner-seq, node liveness and the invalidation channel."""
+        self._conns = [
+            RedisConnection(
+                url,
+                stats=self._stats,
+                socket_timeout=self._socket_timeout,
+                max_connections=self._max_connections,
+                client_name=f"flightcache:{self.node_id}".replace(" ", "_"),
+            )
+            for url in urls
+        ]
+        self._conn = designated = self._conns[0]
+        shards = [
+            (
+                conn,
+                RedisFlights(
+                    conn,
+                    self.keyspace,
+                    self.envelope,
+                    self._stats,
+                    self.node_id,
+                    self._tuning,
+                    seq_conn=designated,
+                ),
+            )
+            for conn in self._conns
+        ]
+        conn_for: Callable[[FlightKeys], RedisConnection] | None = None
+        if len(shards) == 1:
+            self._flights = self._redis_flights = shards[0][1]
+        else:
+            sharded = ShardedFlights(shards)
+            self._flights = self._redis_flights = sharded
+            conn_for = sharded.conn_for
         self._failopen = FailOpen(
             self.envelope,
             self._stats,
             enabled=self._fail_open,
-            url=safe_url(url),
+            url=",".join(safe_url(u) for u in urls),
             local_ttl_s=self.near_lease,
         )
         enabled, max_entries, max_bytes = self._near_settings
@@ -232,6 +271,7 @@ class FlightCache:
             skew_margin_s=self.skew_margin,
             node_ttl_s=self.node_ttl,
             owned=lambda: self._stats.owning,
+            conn_for=conn_for,
         )
         if self._near is not None:
             agent = self._agent
@@ -257,10 +297,10 @@ class FlightCache:
                     await asyncio.to_thread(server.stop)
                 else:
                     self._server = server
-                    self._connect(server.url)
+                    self._connect([server.url])
             if not self._started and not self._closed:
-                if self._conn is not None:
-                    await self._conn.open()
+                for conn in self._conns:
+                    await conn.open()
                 if self._agent is not None:
                     await self._agent.start()  # live, and listening for invalidations
                 self._started = True
@@ -760,8 +800,8 @@ class FlightCache:
             pass
         if self._agent is not None and self._started:
             await self._agent.aclose()  # leaves the live set: invalidations stop waiting for it
-        if self._conn is not None:
-            await self._conn.aclose()
+        for conn in self._conns:
+            await conn.aclose()
         if self._server is not None:
             await asyncio.to_thread(self._server.stop)
 

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from ._types import NOT_FOUND
 from ._errors import (
     ConfigError,
     FlightTimeout,
@@ -21,6 +20,7 @@ from ._errors import (
     StreamRestarted,
     ValueTooLarge,
 )
+from ._types import NOT_FOUND
 
 ERROR_TAG = b"e"
 STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chunks

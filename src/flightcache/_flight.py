@@ -111,8 +111,10 @@ class RedisFlights:
         node_id: str,
         tuning: Tuning | None = None,
         clock: Callable[[], float] = time.monotonic,
+        seq_conn: RedisConnection | None = None,
     ) -> None:
         self.conn = conn
+        self.seq_conn = seq_conn or conn  # where owner-seq lives (the designated server)
         self.keyspace = keyspace
         self.envelope = envelope
         self.stats = stats
@@ -291,8 +293,8 @@ class RedisFlights:
     ) -> tuple[int, float] | None:
         """Take a fencing token (INCR owner-seq) and confirm the claim with it: the token and
         the local time the confirmation was sent (the lease started later than that)."""
-        client = self.conn.client
-        counter = int(await self.conn.run(lambda: client.incr(self.keyspace.owner_seq)))
+        seq = self.seq_conn
+        counter = int(await seq.run(lambda: seq.client.incr(self.keyspace.owner_seq)))
         # The counter orders tokens; 20 random low bits keep them unique even if the counter
         # went backwards (a failover can lose recent INCRs: Redis replicates asynchronously).
         token = (counter << TOKEN_RANDOM_BITS) | secrets.randbits(TOKEN_RANDOM_BITS)

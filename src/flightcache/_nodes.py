@@ -114,9 +114,12 @@ class NodeAgent:
         skew_margin_s: float,
         node_ttl_s: float,
         owned: Callable[[], int],
+        conn_for: Callable[[FlightKeys], RedisConnection] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.conn = conn
+        self.conn = conn  # liveness, the invalidation channel: the designated server
+        # A key's own server (client-side sharding puts each flight on one of several).
+        self.conn_for = conn_for or (lambda _fk: conn)
         self.keyspace = keyspace
         self.node_id = node_id
         self.near = near
@@ -298,7 +301,8 @@ class NodeAgent:
 
     async def _ack(self, digest: str, invalidation: str) -> None:
         key = self.keyspace.ack(digest, invalidation)
-        client = self.conn.client
+        conn = self.conn_for(self.keyspace.for_digest(digest))
+        client = conn.client
 
         async def push() -> None:
             pipe: Any = client.pipeline(transaction=False)
@@ -306,7 +310,7 @@ class NodeAgent:
             await pipe.execute()
 
         try:
-            await self.conn.run(push)
+            await conn.run(push)
         except FlightError as exc:  # the invalidator will wait out the lease instead
             log.info("node %s: could not acknowledge an invalidation: %s", self.node_id, exc)
 
@@ -324,7 +328,8 @@ class NodeAgent:
         longest_s = max([self.near_lease_s, *(n.lease_ms / 1000 for n in live)])
         wait_s = longest_s + self.skew_margin_s
         invalidation = os.urandom(8).hex()
-        existed = await self.conn.script(
+        conn = self.conn_for(fk)
+        existed = await conn.script(
             "replace_result",
             fk,
             (fk.result, fk.marker, fk.meta),
@@ -340,22 +345,23 @@ class NodeAgent:
         acked = await self._await_acks(fk, invalidation, holders, deadline)
         how = "acked" if holders <= acked else "lease"
         if how == "acked":  # nobody can hold the old value: reads may lease again now
-            await self.conn.script("end_replace", fk, (fk.marker,), (invalidation,))
+            await conn.script("end_replace", fk, (fk.marker,), (invalidation,))
         return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
 
     async def _await_acks(
         self, fk: FlightKeys, invalidation: str, holders: set[str], deadline: float
     ) -> set[str]:
         key = self.keyspace.ack(fk.digest, invalidation)
-        client = self.conn.blocking
-        cap = max(self.conn.socket_timeout - 0.5, 0.1)
+        conn = self.conn_for(fk)
+        client = conn.blocking
+        cap = max(conn.socket_timeout - 0.5, 0.1)
         acked: set[str] = set()
         while not holders <= acked:
             left = deadline - self.clock()
             if left <= 0:
                 break  # the longest lease has lapsed: acknowledgements no longer matter
             block = min(left, cap)
-            reply: Any = await self.conn.run(functools.partial(client.blpop, [key], block), fk)
+            reply: Any = await conn.run(functools.partial(client.blpop, [key], block), fk)
             if reply:
                 acked.add(reply[1].decode())
         return acked

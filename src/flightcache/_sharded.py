@@ -1,0 +1,62 @@
+"""Client-side sharding over a list of standalone servers, by a consistent-hash ring.
+
+Each flight lives on one server, the one the ring (ketama-compatible, so other clients
+agree) assigns to its digest: all its keys share that server, so its scripts run there
+unchanged. ``owner-seq``, node liveness and the invalidation channel live on the first
+server of the list, the designated one.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from ._errors import ConfigError
+from ._flight import RedisFlights
+from ._jobs import Job
+from ._keys import FlightKeys
+from ._redis import RedisConnection
+from ._ring import HashRing
+from ._types import CallOptions, FlightInfo
+
+
+def shard_name(url: str) -> str:
+    """The ring's name for a server: ``host:port`` (what ketama clients hash), or the
+    socket path of a ``unix://`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return parts.path
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ConfigError(f"bad port in a shard URL: {exc}") from exc
+    return f"{parts.hostname}:{port}"
+
+
+class ShardedFlights:
+    """The flight protocol over several servers: each key goes to its ring's server."""
+
+    def __init__(self, shards: list[tuple[RedisConnection, RedisFlights]]) -> None:
+        names = [shard_name(conn.url) for conn, _ in shards]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"the shard list names a server twice: {names}")
+        self.ring = HashRing(names)
+        self._by_name = {name: pair for name, pair in zip(names, shards, strict=True)}
+        self.shards = shards
+
+    def conn_for(self, fk: FlightKeys) -> RedisConnection:
+        return self._by_name[self.ring.node_for(fk.digest)][0]
+
+    def _flights(self, fk: FlightKeys) -> RedisFlights:
+        return self._by_name[self.ring.node_for(fk.digest)][1]
+
+    async def lookup(self, fk: FlightKeys) -> bytes | None:
+        return await self._flights(fk).lookup(fk)
+
+    async def lookup_full(self, fk: FlightKeys) -> tuple[bytes | None, int, bool, int]:
+        return await self._flights(fk).lookup_full(fk)
+
+    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+        return await self._flights(fk).resolve(fk, job, opts)
+
+    async def inspect(self, fk: FlightKeys) -> FlightInfo:
+        return await self._flights(fk).inspect(fk)
