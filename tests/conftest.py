@@ -60,10 +60,15 @@ async def make_cache(
         await fc.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def backend_url(request: pytest.FixtureRequest, server: EmbeddedServer) -> str:
-    """Behaviour that must hold on every backend runs once per backend."""
-    return "memory://" if request.param == "memory" else server.url
+    """Behaviour that must hold on every backend runs once per backend: this process only,
+    one server, and a Redis/Valkey Cluster (3 masters with a replica each)."""
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "cluster":
+        return str(request.getfixturevalue("cluster").url)
+    return server.url
 
 
 @pytest.fixture(scope="session")

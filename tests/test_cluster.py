@@ -158,3 +158,18 @@ def test_killing_the_master_of_a_flight_mid_flight_still_answers_everyone(
         assert not errors, errors[:3]
         assert len({r["pid"] for r in results}) == 1
         assert max(r["t1"] for r in results) - killed < 30
+
+
+async def test_a_bloom_filter_works_on_a_cluster(cluster: EmbeddedCluster, namespace: str) -> None:
+    from flightcache import BloomFilter
+
+    fc = FlightCache(cluster.url, namespace=namespace)
+    try:
+        filters = [BloomFilter(fc, f"f{i}", capacity=1000, error_rate=0.01) for i in range(3)]
+        for i, bf in enumerate(filters):  # names hash to different slots
+            await bf.add_many([f"{i}:{n}" for n in range(100)])
+        for i, bf in enumerate(filters):
+            assert all(await bf.contains_many([f"{i}:{n}" for n in range(100)]))
+            assert sum(await bf.contains_many([f"{i}:x{n}" for n in range(1000)])) < 50
+    finally:
+        await fc.aclose()
