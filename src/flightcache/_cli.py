@@ -238,16 +238,18 @@ def _run_status(args: argparse.Namespace) -> int:
 # -- mock-upstream ------------------------------------------------------------------------
 
 
-def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    def non_negative_float(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not 0 <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-        return value
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    return value
 
+
+def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "mock-upstream",
         help="a test double of an OpenAI-compatible API (not a model), for tests and demos",
@@ -309,15 +311,6 @@ UPSTREAM_ENV = "FLIGHTCACHE_UPSTREAM"
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    def non_negative_float(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not 0 <= value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-        return value
-
     p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible gateway: identical requests become one upstream call",
