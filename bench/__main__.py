@@ -1,5 +1,5 @@
-"""``python -m bench``: stampede, hit-path, gateway and near-cache figures against a private
-embedded server."""
+"""``python -m bench``: stampede, hit-path, gateway, near-cache, cluster/ring and protection
+(Bloom filter, refresh-ahead) figures against a private embedded server and cluster."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _gateway, _hitpath, _near, _report, _stampede
+from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _stampede
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer rounds and ops (< 30 s)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and ops (about 40 s)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
     p.add_argument("--processes", type=int, default=4, help="stampede worker processes")
     p.add_argument("--callers", type=int, default=50, help="concurrent callers per process")
@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hit", action="store_true")
     p.add_argument("--skip-gateway", action="store_true")
     p.add_argument("--skip-near", action="store_true")
+    p.add_argument(
+        "--skip-cluster", action="store_true", help="skip the cluster stampede and the ring"
+    )
+    p.add_argument(
+        "--skip-protect", action="store_true", help="skip the Bloom filter and refresh-ahead"
+    )
     args = p.parse_args(argv)
     if args.processes < 2 or args.callers < 1:
         p.error("need at least 2 processes and 1 caller per process")
@@ -114,15 +120,23 @@ def main(argv: list[str] | None = None) -> int:
             "invalidations": 30,
             "invalidation_s": 2.0,
         }
+        ring: dict[str, Any] = {"keys": 50_000, "timed_keys": 20_000}
+        bloom: dict[str, Any] = {"checked": 20_000}
+        ahead: dict[str, Any] = {"seconds": 2.5}
     else:
         stampede_rounds, hit = 5, {"rounds": 3, "ops": 20_000, "seconds": 1.2}
         gateway, near = {}, {}  # the defaults of _gateway.run and _near.run
+        ring, bloom, ahead = {}, {}, {}  # the defaults of _cluster.run_ring and _protect
     started = time.monotonic()
     server = EmbeddedServer()
     stampede: dict[str, Any] | None = None
     hitpath: dict[str, Any] | None = None
     gateway_figures: dict[str, Any] | None = None
     near_figures: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
+    ring_figures: dict[str, Any] | None = None
+    bloom_figures: dict[str, Any] | None = None
+    ahead_figures: dict[str, Any] | None = None
     try:
         server.start()
         env = {
@@ -154,9 +168,23 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_near:
             near_figures = asyncio.run(_near.run(server.url, **near))
             _report.print_near(near_figures)
+        if not args.skip_cluster:
+            cluster = _cluster.run_stampede(
+                processes=args.processes,
+                callers=args.callers,
+                rounds=args.rounds or stampede_rounds,
+            )
+            _report.print_cluster(cluster, stampede["wake_lag_ms"] if stampede else None)
+            ring_figures = _cluster.run_ring(**ring)
+            _report.print_ring(ring_figures)
+        if not args.skip_protect:
+            bloom_figures = asyncio.run(_protect.run_bloom(server.url, **bloom))
+            ahead_figures = asyncio.run(_protect.run_refresh_ahead(server.url, **ahead))
+            _report.print_protect(bloom_figures, ahead_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
+    rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
     print(f"\n(run took {elapsed:.1f} s)")
@@ -169,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             "hit_path": hitpath,
             "gateway": gateway_figures,
             "near_cache": near_figures,
+            "cluster_stampede": cluster,
+            "ring": ring_figures,
+            "bloom": bloom_figures,
+            "refresh_ahead": ahead_figures,
             "targets": rows,
         }
         Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")
@@ -182,6 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         broken = broken or bool(g["burst_errors"] or g["burst_mismatched"])
     if near_figures is not None:
         broken = broken or near_figures["invalidation"]["stale_reads"] > 0
+    if cluster is not None:
+        broken = broken or any(r != 1 for r in cluster["loader_runs_per_round"])
+        broken = broken or bool(cluster["errors"])
+    if ring_figures is not None:
+        broken = broken or any(
+            row[str(p)]["moved_between_old_shards"]
+            for row in ring_figures["by_shards"]
+            for p in ring_figures["config"]["points"]
+        )
+    if bloom_figures is not None:
+        broken = broken or bloom_figures["false_negatives"] > 0
+    if ahead_figures is not None:
+        for mode in ("refresh_ahead", "plain"):
+            m = ahead_figures[mode]
+            broken = broken or bool(m["errors"]) or m["most_runs_at_once"] > 1
     return 1 if broken else 0
 
 

@@ -190,18 +190,8 @@ async def _round(
             if name not in CONNECTION_SETUP:  # a process's protocol commands, not handshakes
                 by_pid[owners.get(port, 0)] += 1  # pid 0: a connection closed before CLIENT LIST
 
-    loader_runs = sum(len(r["loader_ends"]) for r in replies)
-    errors = [c[4] for r in replies for c in r["callers"] if c[4] is not None]
-    owner_pids = {c[2] for r in replies for c in r["callers"] if c[2] is not None}
-    owner_pid = next(iter(owner_pids)) if len(owner_pids) == 1 else None
-    owner_lag, remote_lag, owner_first, remote_first, starts = [], [], [], [], []
-    for r in replies:
-        lags = [(t1 - end) * 1000 for _t0, t1, _pid, end, err in r["callers"] if err is None]
-        starts.extend(c[0] for c in r["callers"])
-        is_owner = r["pid"] == owner_pid
-        (owner_lag if is_owner else remote_lag).extend(lags)
-        if lags:
-            (owner_first if is_owner else remote_first).append(min(lags))
+    callers_seen = caller_figures(replies, start_at)
+    owner_pid = callers_seen["owner_pid"]
     processes = [
         {
             "pid": r["pid"],
@@ -214,6 +204,37 @@ async def _round(
     ]
     return {
         "key": key,
+        **callers_seen,
+        "processes": processes,
+        "server_top_level": dict(sorted(top.items())),
+        "server_top_level_unattributed": by_pid.get(0, 0),
+        "server_in_lua": dict(sorted(in_lua.items())),
+        "server_commandstats": server_all,
+    }
+
+
+def caller_figures(replies: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
+    """What the callers of one round saw: loader runs, errors, the owner, wake lags (ms).
+
+    Shared with the cluster stampede (``_cluster.py``), whose workers answer the same way.
+    """
+    loader_runs = sum(len(r["loader_ends"]) for r in replies)
+    errors = [c[4] for r in replies for c in r["callers"] if c[4] is not None]
+    owner_pids = {c[2] for r in replies for c in r["callers"] if c[2] is not None}
+    owner_pid = next(iter(owner_pids)) if len(owner_pids) == 1 else None
+    owner_lag: list[float] = []
+    remote_lag: list[float] = []
+    owner_first: list[float] = []
+    remote_first: list[float] = []
+    starts: list[float] = []
+    for r in replies:
+        lags = [(t1 - end) * 1000 for _t0, t1, _pid, end, err in r["callers"] if err is None]
+        starts.extend(c[0] for c in r["callers"])
+        is_owner = r["pid"] == owner_pid
+        (owner_lag if is_owner else remote_lag).extend(lags)
+        if lags:
+            (owner_first if is_owner else remote_first).append(min(lags))
+    return {
         "loader_runs": loader_runs,
         "owner_pid": owner_pid,
         "errors": errors,
@@ -223,11 +244,14 @@ async def _round(
         "remote_lag_ms": remote_lag,
         "owner_first_lag_ms": owner_first,
         "remote_first_lag_ms": remote_first,
-        "processes": processes,
-        "server_top_level": dict(sorted(top.items())),
-        "server_top_level_unattributed": by_pid.get(0, 0),
-        "server_in_lua": dict(sorted(in_lua.items())),
-        "server_commandstats": server_all,
+    }
+
+
+def wake_lags(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The rounds' wake lags pooled: owner-process and remote callers, first woken of each."""
+    return {
+        field: summary([x for r in rounds for x in r[f"{field}_lag_ms"]])
+        for field in ("owner", "remote", "owner_first", "remote_first")
     }
 
 
@@ -271,8 +295,6 @@ def _aggregate(
     rounds: list[dict[str, Any]], *, processes: int, callers: int, loader_s: float
 ) -> dict[str, Any]:
     total_callers = processes * callers
-    owner_lag = [x for r in rounds for x in r["owner_lag_ms"]]
-    remote_lag = [x for r in rounds for x in r["remote_lag_ms"]]
     followers = [p for r in rounds for p in r["processes"] if p["role"] == "follower"]
     owners = [p for r in rounds for p in r["processes"] if p["role"] == "owner"]
 
@@ -294,12 +316,7 @@ def _aggregate(
         "loader_runs_per_round": [r["loader_runs"] for r in rounds],
         "errors": [e for r in rounds for e in r["errors"]],
         "arrival_spread_ms": summary([r["arrival_spread_ms"] for r in rounds]),
-        "wake_lag_ms": {
-            "owner": summary(owner_lag),
-            "remote": summary(remote_lag),
-            "owner_first": summary([x for r in rounds for x in r["owner_first_lag_ms"]]),
-            "remote_first": summary([x for r in rounds for x in r["remote_first_lag_ms"]]),
-        },
+        "wake_lag_ms": wake_lags(rounds),
         "commands": {
             "server_top_level_per_round": top_level,
             "server_top_level_setup_per_round": top_level_setup,
