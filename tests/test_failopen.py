@@ -105,3 +105,42 @@ async def test_stopping_and_restarting_the_server_under_load(
         stop.set()
         await fc.aclose()
         server.stop()
+
+
+async def test_a_whole_cluster_down_fails_open_too(namespace: str) -> None:
+    from flightcache._embedded import EmbeddedCluster
+
+    cluster = EmbeddedCluster(masters=3, replicas=0).start()
+    url = cluster.url
+    cluster.stop()  # every node gone before the cache ever connects
+    fc = FlightCache(url, namespace=namespace, socket_timeout=0.5)
+
+    async def loader() -> str:
+        return "local"
+
+    try:
+        assert await fc.do("q", loader) == "local"
+        assert fc.stats["fail_open"] == 1
+        with pytest.raises(BackendUnavailable):
+            await fc.ping()  # health checks never fail open
+    finally:
+        await fc.aclose()
+
+
+async def test_an_exhausted_pool_is_not_an_outage(server: EmbeddedServer, namespace: str) -> None:
+    """Busy connections mean this process is overloaded, not that the server is down."""
+    from flightcache import FlightError
+
+    fc = FlightCache(server.url, namespace=namespace, max_connections=2, socket_timeout=0.3)
+    await fc.get("warm")
+    pool: Any = fc._conn.client.connection_pool  # type: ignore[union-attr]
+    pool._wait_timeout = 0.2
+    held = [await pool.get_connection(), await pool.get_connection()]
+    try:
+        with pytest.raises(FlightError, match="exhausted"):
+            await fc.get("k")
+        assert fc.stats["fail_open"] == 0 and not fc._failopen.down  # type: ignore[union-attr]
+    finally:
+        for conn in held:
+            await pool.release(conn)
+        await fc.aclose()

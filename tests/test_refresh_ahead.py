@@ -51,11 +51,11 @@ async def test_a_hot_key_never_misses_across_its_expiries(
         # No caller ever waited for the loader: the value was replaced before it expired.
         assert max(waits) < cost / 2, sorted(waits)[-5:]
         assert not overlapped  # one recomputation at a time, across every node
-        # Each stored value is recomputed once: at most one run per half TTL (XFetch at
-        # this call rate starts a refresh some way before the expiry), and at least one
-        # per TTL (else a value would have expired).
+        # Each stored value is recomputed once, shortly before it expires: about one run
+        # per TTL (the XFetch draw is once per value, not per call: drawn per call at this
+        # rate it would run about twice per TTL), never fewer (a value would have expired).
         refreshed = len(runs) - 1
-        assert duration / ttl - 1 <= refreshed <= duration / (ttl / 2) + 1, runs
+        assert duration / ttl - 1 <= refreshed <= 1.5 * duration / ttl, runs
         assert sum(fc.stats["refreshes_ahead"] for fc in caches) >= refreshed
     finally:
         for fc in caches:

@@ -300,7 +300,10 @@ class FlightCache:
                     self._connect([server.url])
             if not self._started and not self._closed:
                 for conn in self._conns:
-                    await conn.open()
+                    try:
+                        await conn.open()
+                    except BackendUnavailable as exc:  # calls fail open or raise, later
+                        log.info("could not connect yet: %s", exc)
                 if self._agent is not None:
                     await self._agent.start()  # live, and listening for invalidations
                 self._started = True
@@ -404,6 +407,12 @@ class FlightCache:
             raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
         if ttl is not None or lease is not None or timeout is not None:
             self._check_call(ttl, lease, timeout)
+        if refresh_ahead is not False and (
+            not isinstance(refresh_ahead, (bool, int, float)) or refresh_ahead <= 0
+        ):
+            raise ConfigError(
+                f"refresh_ahead must be True or an XFetch beta > 0: {refresh_ahead!r}"
+            )
         digest = self._digest(key)
         self._stats.calls += 1
         near = self._near
@@ -411,11 +420,11 @@ class FlightCache:
             data = near.get(digest)
             if data is not None:  # a leased copy: no round trip, no key names
                 self._stats.hits += 1
-                if refresh_ahead:
+                if refresh_ahead and store:
                     fk = self.keyspace.for_digest(digest)
                     self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
                 return self.envelope.decode(data, key=digest)
-        if admit is not None and not await admit.contains(key):
+        if admit is not None and not await self._admitted(admit, key):
             self._stats.rejected += 1
             return NOT_FOUND
         fk = self.keyspace.for_digest(digest)
@@ -448,7 +457,7 @@ class FlightCache:
         if data is not None:
             self._stats.hits += 1
             self._settle(slot, data)
-            if refresh_ahead:
+            if refresh_ahead and store:
                 self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
             return self.envelope.decode(data, key=fk.digest)
         job = LoaderJob(loader, self.envelope, fk.digest, not_found)
@@ -487,6 +496,14 @@ class FlightCache:
 
         task.add_done_callback(finish)
 
+    async def _admitted(self, admit: BloomFilter, key: Any) -> bool:
+        try:
+            return await admit.contains(key)
+        except BackendUnavailable:
+            if not self._fail_open:
+                raise
+            return True  # fail-open: a filter out of reach admits (the loader decides)
+
     def _maybe_refresh(
         self,
         fk: FlightKeys,
@@ -523,6 +540,8 @@ class FlightCache:
                 self._ahead.saw(fk.digest, sent, ttl_ms, job.cost_ms)
                 if self._leaser is not None:
                     self._leaser.grant(fk.digest, result, sent, ttl_ms, heard)
+            else:  # the join found the value refreshed by another process
+                self._ahead.settled(fk.digest)
         except Exception as exc:  # the current value stays; a caller will try again
             log.info("refresh-ahead of %s failed: %r", fk.digest, exc)
         finally:

@@ -51,6 +51,8 @@ class FailOpen:
         return self.down and self.clock() < self._retry_at
 
     def failed(self, exc: BackendUnavailable) -> None:
+        if self.down and self.clock() < self._retry_at:
+            return  # one outage window: concurrent failures do not lengthen the pause
         if not self.down:
             log.warning(
                 "Redis at %s unreachable (%s): serving from this process until it is back",

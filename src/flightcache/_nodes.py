@@ -332,7 +332,7 @@ class NodeAgent:
         existed = await conn.script(
             "replace_result",
             fk,
-            (fk.result, fk.marker, fk.meta),
+            (fk.result, fk.marker, fk.meta, fk.cost),
             (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
         )
         # The leases to outwait started no later than now: the delete has happened.

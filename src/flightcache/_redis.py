@@ -92,7 +92,7 @@ class BoundedPool(aioredis.ConnectionPool):
             try:
                 await asyncio.wait_for(self._slots.acquire(), self._wait_timeout)
             except asyncio.TimeoutError as exc:
-                raise rexc.ConnectionError(
+                raise rexc.MaxConnectionsError(
                     f"all {self.max_connections} connections stayed busy for "
                     f"{self._wait_timeout:g} s (raise max_connections?)"
                 ) from exc
@@ -250,13 +250,24 @@ class RedisConnection:
         for node in self.cluster.get_nodes():
             netloc = f"{auth}@{node.host}:{node.port}" if auth else f"{node.host}:{node.port}"
             urls.append(urlunsplit(("redis", netloc, "/0", parts.query, "")))
-        return urls
+        # Before the cluster client knew its nodes: the node the URL names.
+        return urls or [urlunsplit(("redis", parts.netloc, "/0", parts.query, ""))]
 
     async def run(self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None) -> T:
         self.stats.commands += 1
         try:
             return await op()
-        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, OSError) as exc:
+        except rexc.MaxConnectionsError as exc:
+            # This process is busy, the server is not down: no fail-open for this.
+            raise FlightError(f"connection pool exhausted for {self.safe_url}: {exc}") from exc
+        except (
+            rexc.ConnectionError,
+            rexc.TimeoutError,
+            rexc.ClusterDownError,
+            rexc.SlotNotCoveredError,
+            rexc.RedisClusterException,
+            OSError,
+        ) as exc:
             detail = str(exc)[:200] if isinstance(exc, rexc.RedisError) else ""
             raise BackendUnavailable(
                 f"cannot reach Redis at {self.safe_url}: {type(exc).__name__}"

@@ -1,5 +1,5 @@
 -- replace_result: start an invalidation (or a replacement) of one key.
--- KEYS[1] result   KEYS[2] invalidation marker   KEYS[3] meta
+-- KEYS[1] result   KEYS[2] invalidation marker   KEYS[3] meta   KEYS[4] cost
 -- ARGV[1] invalidation id   ARGV[2] marker TTL ms (the longest lease plus the skew margin)
 -- ARGV[3] new encoded value ('' to delete)   ARGV[4] its TTL ms (with ARGV[3])
 -- While the marker lives, readers serve without a lease. A flight running now is marked:
@@ -13,6 +13,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('HSET', KEYS[3], 'invalidated', '1')
 end
 local existed = math.max(redis.call('EXISTS', KEYS[1]), busy)
+redis.call('DEL', KEYS[4])  -- the loader's cost belongs to the value replaced
 if ARGV[3] == '' then
   redis.call('DEL', KEYS[1])
 else
