@@ -270,7 +270,7 @@ async def _watch(
                     )
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(victim.proc.wait(), EXIT_TIMEOUT_S)
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(POLL_S)  # watch interval: the demo looks for an owner to kill
 
 
 async def _run(config: DemoConfig) -> Outcome:

@@ -136,7 +136,7 @@ class BoundedPool(aioredis.ConnectionPool):
 
     async def _sweep(self, limit: float) -> None:
         while True:
-            await asyncio.sleep(limit / 4)
+            await asyncio.sleep(limit / 4)  # sweep interval: one timer for the pool
             now = time.monotonic()
             for connection, since in list(self._out.values()):
                 if now - since > limit:
