@@ -33,9 +33,9 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from flightcache import HashRing
-from flightcache._embedded import EmbeddedCluster
+from flightcache._backends.embedded import EmbeddedCluster
+from flightcache._backends.ring import ketama_hash
 from flightcache._keys import KeySpace
-from flightcache._ring import ketama_hash
 
 from ._stampede import (
     READY_TIMEOUT_S,

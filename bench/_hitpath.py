@@ -30,7 +30,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from flightcache import FlightCache
-from flightcache._redis import RedisConnection
+from flightcache._backends.redis import RedisConnection
 from flightcache._types import Stats
 
 from ._util import median

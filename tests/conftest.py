@@ -74,7 +74,7 @@ def backend_url(request: pytest.FixtureRequest, server: EmbeddedServer) -> str:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Any]:
     """A private Redis/Valkey Cluster (3 masters, 1 replica each) for the session."""
-    from flightcache._embedded import EmbeddedCluster
+    from flightcache._backends.embedded import EmbeddedCluster
 
     with EmbeddedCluster(masters=3, replicas=1) as c:
         yield c

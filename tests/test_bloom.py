@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from flightcache import ConfigError, EmbeddedServer, FlightCache
-from flightcache._bloom import MAX_BITS, BloomFilter, bloom_keys, bloom_size
+from flightcache._protections.bloom import MAX_BITS, BloomFilter, bloom_keys, bloom_size
 
 MakeCache = Callable[..., FlightCache]
 BATCH = 10_000

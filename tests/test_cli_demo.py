@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from flightcache import ConfigError
-from flightcache._cli import main
-from flightcache._embedded import server_binary
+from flightcache._backends.embedded import server_binary
+from flightcache._cli.main import main
 
 SMALL = ["--workers", "3", "--callers", "10", "--loader-seconds", "1", "--lease", "1"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from flightcache import FlightCache
-from flightcache._embedded import EmbeddedCluster, cli_binary
+from flightcache._backends.embedded import EmbeddedCluster, cli_binary
 
 from .helpers.procs import Fleet, markers, wait_for
 

@@ -25,7 +25,7 @@ from flightcache import (
     Tuning,
     ValueTooLarge,
 )
-from flightcache._embedded import free_port
+from flightcache._backends.embedded import free_port
 
 
 class Boom(Exception):
@@ -359,7 +359,7 @@ async def test_error_details_and_ttls_from_a_loader_are_bounded(make_cache: Any)
 
 
 async def test_an_exhausted_pool_says_so(server: EmbeddedServer) -> None:
-    from flightcache._redis import RedisConnection
+    from flightcache._backends.redis import RedisConnection
     from flightcache._types import Stats
 
     conn = RedisConnection(server.url, stats=Stats(), max_connections=1, socket_timeout=0.2)

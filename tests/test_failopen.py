@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from flightcache import BackendUnavailable, EmbeddedServer, FlightCache
-from flightcache._embedded import free_port
+from flightcache._backends.embedded import free_port
 
 
 async def test_an_unreachable_server_degrades_to_this_process(
@@ -108,7 +108,7 @@ async def test_stopping_and_restarting_the_server_under_load(
 
 
 async def test_a_whole_cluster_down_fails_open_too(namespace: str) -> None:
-    from flightcache._embedded import EmbeddedCluster
+    from flightcache._backends.embedded import EmbeddedCluster
 
     cluster = EmbeddedCluster(masters=3, replicas=0).start()
     url = cluster.url

@@ -9,7 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from flightcache import BackendUnavailable, ConfigError
-from flightcache._heartbeat import Heartbeat
+from flightcache._protocol.flight import LUA
+from flightcache._protocol.heartbeat import Heartbeat
 
 
 async def test_scripts_are_reloaded_after_the_server_forgets_them(
@@ -35,20 +36,20 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     keys = (fk.result, fk.meta, fk.stream, fk.waiters)
     done_keys = (*keys, fk.cost)
     stale = await conn.script(
-        "complete_flight", fk, done_keys, (6, b"jstale", 60_000, "1", 1000, "", 5)
+        LUA["complete_flight"], fk, done_keys, (6, b"jstale", 60_000, "1", 1000, "", 5)
     )
     assert stale == 0
     assert await redis_client.get(fk.result) is None
     assert await redis_client.xlen(fk.stream) == 0
-    failed = await conn.script("fail_flight", fk, keys, (6, "error", b"e{}", 1000, 1000))
+    failed = await conn.script(LUA["fail_flight"], fk, keys, (6, "error", b"e{}", 1000, 1000))
     assert failed == 0
     renewed = await conn.script(
-        "renew_lease", fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
+        LUA["renew_lease"], fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
     )
     assert renewed == 0
     assert await redis_client.pttl(fk.meta) == -1  # untouched: no expiry was set
     current = await conn.script(
-        "complete_flight", fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "", 5)
+        LUA["complete_flight"], fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "", 5)
     )
     assert current == 1
     assert await redis_client.get(fk.result) == b"jcurrent"

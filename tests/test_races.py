@@ -33,7 +33,7 @@ from flightcache import (
     RemoteError,
     StreamRestarted,
 )
-from flightcache._embedded import free_port
+from flightcache._backends.embedded import free_port
 
 from .helpers.procs import SRC, wait_for
 
@@ -489,7 +489,7 @@ async def test_store_false_does_not_keep_errors_either(make_cache: Any) -> None:
 
 
 def test_a_near_cache_copy_never_outlives_its_nodes_liveness() -> None:
-    from flightcache._near import Leaser, NearCache
+    from flightcache._leases.near import Leaser, NearCache
 
     now = [100.0]
     near = NearCache(max_entries=10, max_bytes=1000, clock=lambda: now[0])

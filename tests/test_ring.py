@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from flightcache import ConfigError
-from flightcache._ring import HashRing, ketama_hash
+from flightcache._backends.ring import HashRing, ketama_hash
 
 # RJ/ketama's ketama.servers: the server file of libketama's own test harness.
 LIBKETAMA_SERVERS = {

@@ -3,10 +3,10 @@
 See ``FlightCache`` for the API and ``docs/`` for the protocol.
 """
 
-from ._bloom import BloomFilter
+from ._backends.embedded import EmbeddedServer
+from ._backends.ring import HashRing
 from ._cache import FlightCache
 from ._codec import Codec
-from ._embedded import EmbeddedServer
 from ._errors import (
     BackendUnavailable,
     ConfigError,
@@ -18,10 +18,10 @@ from ._errors import (
     StreamRestarted,
     ValueTooLarge,
 )
-from ._flight import Tuning
-from ._nodes import Invalidation, NodeInfo
-from ._ring import HashRing
-from ._streaming import FlightStream
+from ._leases.nodes import Invalidation, NodeInfo
+from ._protections.bloom import BloomFilter
+from ._protocol.flight import Tuning
+from ._protocol.streaming import FlightStream
 from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo
 
 __version__ = "0.1.0"

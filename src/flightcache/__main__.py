@@ -1,3 +1,3 @@
-from ._cli import main
+from ._cli.main import main
 
 raise SystemExit(main())

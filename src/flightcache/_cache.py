@@ -1,4 +1,4 @@
-"""``FlightCache``: the public face of the library (DESIGN.md section 2)."""
+"""``FlightCache``: the public face of the library (docs/README.md)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,21 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
-from ._ahead import RefreshAhead
-from ._bloom import BloomFilter
+from ._backends.embedded import EmbeddedServer
+from ._backends.redis import RedisConnection, safe_url
 from ._codec import Codec, Envelope, make_codec
-from ._embedded import EmbeddedServer
 from ._errors import BackendUnavailable, ConfigError, FlightError, SerializationError
-from ._failopen import FailOpen
-from ._flight import RedisFlights, Tuning
-from ._jobs import Job, LoaderJob, Producer, StreamJob
 from ._keys import FlightKeys, KeySpace, canonical, describe_canonical, digest_of
-from ._memory import MemoryFlights
-from ._near import Leaser, NearCache
-from ._nodes import Invalidation, NodeAgent, NodeInfo
-from ._redis import RedisConnection, safe_url
-from ._sharded import ShardedFlights
-from ._streaming import HIT, FlightStream, LocalStream
+from ._leases.near import Leaser, NearCache
+from ._leases.nodes import Invalidation, NodeAgent, NodeInfo
+from ._protections.ahead import RefreshAhead
+from ._protections.bloom import BloomFilter
+from ._protocol.failopen import FailOpen
+from ._protocol.flight import RedisFlights, Tuning
+from ._protocol.jobs import Job, LoaderJob, Producer, StreamJob
+from ._protocol.memory import MemoryFlights
+from ._protocol.sharded import ShardedFlights
+from ._protocol.streaming import HIT, FlightStream, LocalStream
 from ._types import MISSING, NOT_FOUND, CallOptions, FlightInfo, Loader, Stats
 
 P = ParamSpec("P")

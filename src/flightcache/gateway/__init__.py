@@ -1,4 +1,4 @@
-"""HTTP around the library: the OpenAI-compatible gateway and its test double (DESIGN.md section 7).
+"""HTTP around the library: the OpenAI-compatible gateway and its test double (docs/gateway.md).
 
 Needs the ``gateway`` extra (Starlette, uvicorn, httpx): ``pip install 'flightcache[gateway]'``.
 The core package never imports this one.

@@ -1,5 +1,5 @@
 """``flightcache serve``: an OpenAI-compatible gateway in which identical requests, across
-every replica that shares one Redis, become one upstream call (DESIGN.md section 7).
+every replica that shares one Redis, become one upstream call (docs/gateway.md).
 
 ``POST /v1/chat/completions`` and ``/v1/completions`` always go upstream as streams (with
 usage) through ``fc.stream``, so a request and its streaming twin share one flight: stream
@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from .._cache import FlightCache
 from .._errors import BackendUnavailable, FlightError, StreamRestarted
-from .._streaming import FlightStream
+from .._protocol.streaming import FlightStream
 from ._assemble import assemble, for_client, mark_cached
 from ._config import GatewayConfig
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics

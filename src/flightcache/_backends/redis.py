@@ -15,31 +15,15 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from ._errors import BackendUnavailable, ConfigError, FlightError
-from ._keys import FlightKeys
-from ._types import Stats
+from .._errors import BackendUnavailable, ConfigError, FlightError
+from .._keys import FlightKeys
+from .._types import Stats
 
 T = TypeVar("T")
 
 log = logging.getLogger("flightcache.redis")
 
 CLUSTER_SCHEME = "redis+cluster://"
-
-SCRIPT_NAMES = (
-    "join_flight",
-    "confirm_claim",
-    "renew_lease",
-    "append_chunks",
-    "complete_flight",
-    "fail_flight",
-    "read_result",
-    "replace_result",
-    "end_replace",
-    "renew_node",
-    "live_nodes",
-    "bloom_add",
-    "bloom_check",
-)
 
 
 def safe_url(url: str) -> str:
@@ -152,8 +136,23 @@ class BoundedPool(aioredis.ConnectionPool):
         await super().disconnect(inuse_connections)
 
 
-def load_script(name: str) -> str:
-    return files("flightcache").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+class Script:
+    """A Lua script kept as a package file, ``<package>/lua/<name>.lua``; each connection
+    registers it (EVALSHA, reloaded on NOSCRIPT) the first time it runs it."""
+
+    __slots__ = ("name", "text")
+
+    def __init__(self, package: str, name: str) -> None:
+        self.name = name
+        self.text = files(package).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+    def __repr__(self) -> str:
+        return f"Script({self.name!r})"
+
+
+def scripts(package: str, *names: str) -> dict[str, Script]:
+    """The named scripts of one package, by name."""
+    return {name: Script(package, name) for name in names}
 
 
 class RedisConnection:
@@ -201,9 +200,7 @@ class RedisConnection:
             raise ConfigError(f"bad Redis URL {self.safe_url}: {exc}") from exc
         self.client: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking_pool)
-        self.scripts = {
-            name: self.client.register_script(load_script(name)) for name in SCRIPT_NAMES
-        }
+        self.scripts: dict[str, Any] = {}
 
     def _init_cluster(
         self,
@@ -229,9 +226,7 @@ class RedisConnection:
         except (ValueError, rexc.RedisClusterException) as exc:
             raise ConfigError(f"bad Redis Cluster URL {self.safe_url}: {exc}") from exc
         self.client = self.blocking = self.cluster
-        self.scripts = {
-            name: self.client.register_script(load_script(name)) for name in SCRIPT_NAMES
-        }
+        self.scripts = {}
 
     async def open(self) -> None:
         """Connect before the first command (a cluster client must learn its slots first:
@@ -279,9 +274,11 @@ class RedisConnection:
             raise FlightError(f"Redis at {self.safe_url} refused a command: {exc}") from exc
 
     async def script(
-        self, name: str, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
+        self, lua: Script, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
     ) -> Any:
-        script = self.scripts[name]
+        script = self.scripts.get(lua.name)
+        if script is None:
+            script = self.scripts[lua.name] = self.client.register_script(lua.text)
         return await self.run(lambda: script(keys=list(keys), args=list(args)), fk)
 
     async def _wrong_type(self, fk: FlightKeys) -> ConfigError:

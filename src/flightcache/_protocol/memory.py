@@ -12,13 +12,13 @@ import random
 import time
 from collections.abc import Callable
 
-from ._codec import NOT_FOUND_TAG, Envelope
-from ._errors import FlightTimeout, SerializationError, ValueTooLarge
-from ._jobs import Job
-from ._keys import FlightKeys
-from ._loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
-from ._nodes import Invalidation
-from ._types import CallOptions, FlightInfo, Stats
+from .._codec import NOT_FOUND_TAG, Envelope
+from .._errors import FlightTimeout, SerializationError, ValueTooLarge
+from .._keys import FlightKeys
+from .._leases.nodes import Invalidation
+from .._types import CallOptions, FlightInfo, Stats
+from .jobs import Job
+from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 
 
 class MemoryFlights:

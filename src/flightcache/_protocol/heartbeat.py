@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._errors import FlightError
+from .._errors import FlightError
 
 log = logging.getLogger("flightcache.heartbeat")
 

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ._codec import ERROR_TAG
+from .._codec import ERROR_TAG
 
 # What an entry costs beside its value, measured with tracemalloc on CPython 3.11 (the
 # bytes object's header, the digest string, the tuple and float, the dict's share).

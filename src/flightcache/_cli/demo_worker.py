@@ -1,4 +1,4 @@
-"""One worker process of ``flightcache demo`` (run as ``python -m flightcache._demo_worker``).
+"""One worker process of ``flightcache demo`` (run as ``python -m flightcache._cli.demo_worker``).
 
 It talks to the parent through lines of JSON: it prints ``{"event": "ready"}`` once its
 cache answers, waits for the line ``go`` on stdin, fires ``--callers`` concurrent
@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from ._cache import FlightCache
-from ._errors import FlightError
+from .._cache import FlightCache
+from .._errors import FlightError
 
 ANSWER = (
     "Relativity is two theories by Einstein. Special relativity: the laws of physics are the "
@@ -124,7 +124,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flightcache._demo_worker")
+    parser = argparse.ArgumentParser(prog="python -m flightcache._cli.demo_worker")
     parser.add_argument("--url", required=True)
     parser.add_argument("--namespace", required=True)
     parser.add_argument("--key", required=True)

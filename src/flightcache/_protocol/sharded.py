@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from ._errors import ConfigError
-from ._flight import RedisFlights
-from ._jobs import Job
-from ._keys import FlightKeys
-from ._redis import RedisConnection
-from ._ring import HashRing
-from ._types import CallOptions, FlightInfo
+from .._backends.redis import RedisConnection
+from .._backends.ring import HashRing
+from .._errors import ConfigError
+from .._keys import FlightKeys
+from .._types import CallOptions, FlightInfo
+from .flight import RedisFlights
+from .jobs import Job
 
 
 def shard_name(url: str) -> str:

@@ -38,11 +38,14 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, FlightError
-from ._keys import KeySpace, canonical
+from .._backends.redis import scripts
+from .._errors import ConfigError, FlightError
+from .._keys import KeySpace, canonical
+
+LUA = scripts(__package__, "bloom_add", "bloom_check")
 
 if TYPE_CHECKING:
-    from ._cache import FlightCache
+    from .._cache import FlightCache
 
 __all__ = ["BloomFilter", "bloom_keys", "bloom_size"]
 
@@ -162,7 +165,7 @@ class BloomFilter:
         keys = [self.key, self.params_key]
         args: list[Any] = [self._params, self.hashes, *offsets]
         try:
-            reply = await conn.script(script_name, None, keys, args)
+            reply = await conn.script(LUA[script_name], None, keys, args)
         except FlightError as exc:
             if "WRONGTYPE" in str(exc):
                 raise ConfigError(

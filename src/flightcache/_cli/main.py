@@ -1,4 +1,4 @@
-"""The ``flightcache`` command line: a thin layer over the library (DESIGN.md section 7).
+"""The ``flightcache`` command line: a thin layer over the library (docs/operations.md).
 
 Every command is one subparser, added by one ``_add_<command>`` function listed in
 ``COMMANDS``; its handler takes the parsed arguments and returns the exit status. To add a
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from ._errors import FlightError
-from ._redis import safe_url
+from .._backends.redis import safe_url
+from .._errors import FlightError
 
 PROG = "flightcache"
 DEFAULT_URL_ENV = "FLIGHTCACHE_REDIS_URL"
@@ -106,7 +106,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ._demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_demo
 
     if args.kill and args.workers < 2:
         print(
@@ -142,7 +142,7 @@ def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _run_inspect(args: argparse.Namespace) -> int:
     import orjson
 
-    from ._cache import FlightCache
+    from .._cache import FlightCache
 
     async def go() -> dict[str, Any]:
         fc = FlightCache(args.redis, namespace=args.namespace, fail_open=False, near_cache=False)
@@ -176,10 +176,10 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from ._keys import KeySpace
-    from ._nodes import live_nodes
-    from ._redis import RedisConnection
-    from ._types import Stats
+    from .._backends.redis import RedisConnection
+    from .._keys import KeySpace
+    from .._leases.nodes import live_nodes
+    from .._types import Stats
 
     keyspace = KeySpace(args.namespace)  # validates the namespace before connecting
 
@@ -288,8 +288,8 @@ def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _run_mock_upstream(args: argparse.Namespace) -> int:
     try:
-        from .gateway._mock import BANNER, make_mock_app
-        from .gateway._serve_util import serve
+        from ..gateway._mock import BANNER, make_mock_app
+        from ..gateway._serve_util import serve
     except ImportError as exc:
         print(
             f"{PROG} mock-upstream: error: {exc}; install the gateway extra: "
@@ -405,8 +405,8 @@ def _shown_url(url: str) -> str:
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
-        from .gateway._app import make_app
-        from .gateway._serve_util import serve
+        from ..gateway._app import make_app
+        from ..gateway._serve_util import serve
     except ImportError as exc:
         print(
             f"{PROG} serve: error: {exc}; install the gateway extra: "
@@ -466,7 +466,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog=PROG,

@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ._codec import NOT_FOUND_TAG, Envelope
-from ._errors import ValueTooLarge
-from ._streaming import COALESCED, MISS, LocalStream
-from ._types import NOT_FOUND, Loader
+from .._codec import NOT_FOUND_TAG, Envelope
+from .._errors import ValueTooLarge
+from .._types import NOT_FOUND, Loader
+from .streaming import COALESCED, MISS, LocalStream
 
 STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack array prefix)
 OWN = b"own"  # the generation of chunks this process produced itself

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._errors import BackendUnavailable, ConfigError
+from .._errors import BackendUnavailable, ConfigError
 
 SERVER_ENV = "FLIGHTCACHE_SERVER_BIN"
 

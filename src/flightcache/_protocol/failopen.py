@@ -13,10 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from ._codec import Envelope
-from ._errors import BackendUnavailable
-from ._memory import MemoryFlights
-from ._types import Stats
+from .._codec import Envelope
+from .._errors import BackendUnavailable
+from .._types import Stats
+from .memory import MemoryFlights
 
 log = logging.getLogger("flightcache.failopen")
 

@@ -1,6 +1,6 @@
 """``flightcache demo``: one question, many processes, the owner killed mid-flight.
 
-The parent starts a private server and ``workers`` processes (:mod:`._demo_worker`); each
+The parent starts a private server and ``workers`` processes (:mod:`.demo_worker`); each
 fires ``callers`` concurrent ``fc.do(KEY, fake_llm)`` calls at the same moment. The parent
 watches the flight with ``inspect``; once the owner's loader has run for a while it kills
 the owner with SIGKILL. The owner's lease lapses, one follower takes over and runs the
@@ -24,9 +24,9 @@ from typing import Any
 
 import orjson
 
-from ._cache import FlightCache
-from ._embedded import EmbeddedServer
-from ._errors import FlightError
+from .._backends.embedded import EmbeddedServer
+from .._cache import FlightCache
+from .._errors import FlightError
 
 KEY = "demo: what is relativity?"
 NAMESPACE = "demo"
@@ -168,7 +168,7 @@ async def _spawn(config: DemoConfig, url: str, tmp: Path, markers: Path, i: int)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "flightcache._demo_worker",
+            "flightcache._cli.demo_worker",
             *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""The distributed flight protocol over one Redis/Valkey server (DESIGN.md section 4).
+"""The distributed flight protocol over one Redis/Valkey server (docs/protocol.md).
 
 One call of :meth:`RedisFlights.resolve` is one process's part in one flight: join (hit,
 follow or vacant), claim with a fresh fencing token, own (loader + heartbeat + fenced write),
@@ -18,20 +18,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from ._codec import NOT_FOUND_TAG, Envelope
-from ._errors import (
+from .._backends.redis import RedisConnection, scripts
+from .._codec import NOT_FOUND_TAG, Envelope
+from .._errors import (
     BackendUnavailable,
     FlightError,
     FlightTimeout,
     SerializationError,
     ValueTooLarge,
 )
-from ._heartbeat import Heartbeat
-from ._jobs import Job
-from ._keys import FlightKeys, KeySpace
-from ._loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
-from ._redis import RedisConnection
-from ._types import CallOptions, FlightInfo, Stats
+from .._keys import FlightKeys, KeySpace
+from .._types import CallOptions, FlightInfo, Stats
+from .heartbeat import Heartbeat
+from .jobs import Job
+from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+
+LUA = scripts(
+    __package__,
+    "join_flight",
+    "confirm_claim",
+    "renew_lease",
+    "append_chunks",
+    "complete_flight",
+    "fail_flight",
+    "read_result",
+)
 
 log_claim = logging.getLogger("flightcache.claim")
 log_follow = logging.getLogger("flightcache.follow")
@@ -133,7 +144,7 @@ class RedisFlights:
         """The stored result, its time left in ms, whether it may be leased (no invalidation
         or replacement of it is under way), and how long it took to compute, in ms."""
         value, ttl_left, marked, cost = await self.conn.script(
-            "read_result", fk, (fk.result, fk.marker, fk.cost), ()
+            LUA["read_result"], fk, (fk.result, fk.marker, fk.cost), ()
         )
         return value, int(ttl_left), not int(marked), int(cost)
 
@@ -269,7 +280,7 @@ class RedisFlights:
         """
         claim_id = secrets.token_hex(8)
         reply = await self.conn.script(
-            "join_flight",
+            LUA["join_flight"],
             fk,
             (fk.result, fk.meta, fk.waiters, fk.stream),
             (
@@ -300,7 +311,7 @@ class RedisFlights:
         token = (counter << TOKEN_RANDOM_BITS) | secrets.randbits(TOKEN_RANDOM_BITS)
         sent = self.clock()
         confirmed = await self.conn.script(
-            "confirm_claim", fk, (fk.meta,), (claim_id, token, opts.lease_ms)
+            LUA["confirm_claim"], fk, (fk.meta,), (claim_id, token, opts.lease_ms)
         )
         if int(confirmed) != 1:
             return None
@@ -328,7 +339,7 @@ class RedisFlights:
 
         async def append(first_seq: int, batch: Sequence[bytes]) -> None:
             written = await self.conn.script(
-                "append_chunks", fk, (fk.meta, fk.stream), (token, first_seq, *batch)
+                LUA["append_chunks"], fk, (fk.meta, fk.stream), (token, first_seq, *batch)
             )
             if int(written) != 1:
                 self._fenced(fk, token)
@@ -338,7 +349,7 @@ class RedisFlights:
 
         async def renew() -> bool:
             reply = await self.conn.script(
-                "renew_lease",
+                LUA["renew_lease"],
                 fk,
                 (fk.meta, fk.stream, fk.waiters),
                 (token, opts.lease_ms, stream_ttl),
@@ -396,7 +407,7 @@ class RedisFlights:
         sent = self.clock()
         written = int(
             await self.conn.script(
-                "complete_flight",
+                LUA["complete_flight"],
                 fk,
                 (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
                 (
@@ -433,7 +444,7 @@ class RedisFlights:
     ) -> None:
         record = self.envelope.encode_error(exc)
         written = await self.conn.script(
-            "fail_flight",
+            LUA["fail_flight"],
             fk,
             (fk.result, fk.meta, fk.stream, fk.waiters),
             (
@@ -452,7 +463,7 @@ class RedisFlights:
         try:
             await asyncio.wait_for(
                 self.conn.script(
-                    "fail_flight",
+                    LUA["fail_flight"],
                     fk,
                     (fk.result, fk.meta, fk.stream, fk.waiters),
                     (token, "reset", "", 0, self.tuning.stream_linger_ms),

@@ -34,7 +34,7 @@ import struct
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 __all__ = ["HashRing", "ketama_hash"]
 

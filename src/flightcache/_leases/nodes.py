@@ -26,10 +26,12 @@ import orjson
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
-from ._errors import FlightError
-from ._keys import FlightKeys, KeySpace
-from ._near import NearCache
-from ._redis import RedisConnection
+from .._backends.redis import RedisConnection, scripts
+from .._errors import FlightError
+from .._keys import FlightKeys, KeySpace
+from .near import NearCache
+
+LUA = scripts(__package__, "live_nodes", "renew_node", "replace_result", "end_replace")
 
 log = logging.getLogger("flightcache.nodes")
 
@@ -76,7 +78,9 @@ async def live_nodes(
     conn: RedisConnection, keyspace: KeySpace, *, leave: str = ""
 ) -> list[NodeInfo]:
     """The namespace's live nodes, by the server's clock (``leave``: remove that one first)."""
-    reply = await conn.script("live_nodes", None, (keyspace.nodes, keyspace.node_info), (leave,))
+    reply = await conn.script(
+        LUA["live_nodes"], None, (keyspace.nodes, keyspace.node_info), (leave,)
+    )
     nodes = []
     for i in range(0, len(reply), 3):
         try:
@@ -194,7 +198,7 @@ class NodeAgent:
     async def _renew(self) -> None:
         sent = self.clock()
         await self.conn.script(
-            "renew_node",
+            LUA["renew_node"],
             None,
             (self.keyspace.nodes, self.keyspace.node_info),
             (self.node_id, int(self.node_ttl_s * 1000), self._info()),
@@ -330,7 +334,7 @@ class NodeAgent:
         invalidation = os.urandom(8).hex()
         conn = self.conn_for(fk)
         existed = await conn.script(
-            "replace_result",
+            LUA["replace_result"],
             fk,
             (fk.result, fk.marker, fk.meta, fk.cost),
             (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
@@ -345,7 +349,7 @@ class NodeAgent:
         acked = await self._await_acks(fk, invalidation, holders, deadline)
         how = "acked" if holders <= acked else "lease"
         if how == "acked":  # nobody can hold the old value: reads may lease again now
-            await conn.script("end_replace", fk, (fk.marker,), (invalidation,))
+            await conn.script(LUA["end_replace"], fk, (fk.marker,), (invalidation,))
         return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
 
     async def _await_acks(

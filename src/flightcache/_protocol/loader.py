@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ._errors import FlightError, FlightTimeout
-from ._types import CallOptions
+from .._errors import FlightError, FlightTimeout
+from .._types import CallOptions
 
 log = logging.getLogger("flightcache.loader")
 

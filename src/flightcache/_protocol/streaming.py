@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ._errors import StreamRestarted
+from .._errors import StreamRestarted
 
 HIT, MISS, COALESCED = "HIT", "MISS", "COALESCED"
 
