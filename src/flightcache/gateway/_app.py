@@ -32,9 +32,9 @@ from .._protocol.streaming import FlightStream
 from ._assemble import assemble, for_client, mark_cached
 from ._config import GatewayConfig
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
-from ._mock import error_response
 from ._requestkey import BadRequest, Plan, Policy, plan_request
 from ._upstream import Upstream, UpstreamError, describe_error, openai_error
+from ._wire import error_response
 
 __all__ = ["GatewayConfig", "make_app"]
 

@@ -61,6 +61,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ._wire import error_response
+
 __all__ = ["MODES", "MockSettings", "MockState", "error_response", "make_mock_app", "mock_state"]
 
 Mode = Literal["normal", "fail", "hang", "rate_limit", "cut"]
@@ -200,23 +202,6 @@ class MockState:
 
 def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data), status, headers, media_type="application/json")
-
-
-_ERROR_TYPES = {401: "invalid_request_error", 403: "permission_error", 429: "requests"}
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> Response:
-    """An OpenAI-shaped error: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return _json(body, status, headers)
 
 
 class _BadRequest(Exception):
