@@ -22,8 +22,7 @@ import redis.asyncio as aioredis
 from flightcache import EmbeddedServer
 
 from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _stampede
-
-ROOT = Path(__file__).resolve().parent.parent
+from ._util import ROOT
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

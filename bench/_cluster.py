@@ -37,14 +37,8 @@ from flightcache._backends.embedded import EmbeddedCluster
 from flightcache._backends.ring import ketama_hash
 from flightcache._keys import KeySpace
 
-from ._stampede import (
-    READY_TIMEOUT_S,
-    ROUND_TIMEOUT_S,
-    START_DELAY_S,
-    Worker,
-    caller_figures,
-    wake_lags,
-)
+from . import _orders
+from ._stampede import caller_figures, pooled, stampede_round
 from ._util import median
 from ._worker import NAMESPACE as WORKER_NAMESPACE
 
@@ -83,7 +77,6 @@ async def _stampede(
 ) -> dict[str, Any]:
     ctl = RedisCluster.from_url(url.replace("redis+cluster://", "redis://", 1))
     keyspace = KeySpace(WORKER_NAMESPACE)
-    workers: list[Worker] = []
     run_id = uuid.uuid4().hex[:8]
     results: list[dict[str, Any]] = []
     try:
@@ -93,56 +86,37 @@ async def _stampede(
         nodes = await ctl.cluster_nodes()
         masters = sum("master" in n["flags"] for n in nodes.values())
         replicas = sum("slave" in n["flags"] for n in nodes.values())
-        for _ in range(processes):
-            workers.append(await Worker.spawn(url))
-        await asyncio.gather(*(w.ask({"op": "warm"}, READY_TIMEOUT_S) for w in workers))
-        for number in range(1, rounds + 1):
-            key = f"cluster-stampede:{run_id}:{number}"
-            node = ctl.get_node_from_key(keyspace.flight(key).meta)
-            start_at = time.monotonic() + START_DELAY_S
-            order = {
-                "op": "stampede",
-                "key": key,
-                "callers": callers,
-                "start_at": start_at,
-                "loader_s": loader_s,
-                "timeout": ROUND_TIMEOUT_S,
-            }
-            await asyncio.gather(*(w.send(order) for w in workers))
-            replies = await asyncio.gather(*(w.receive(ROUND_TIMEOUT_S + 5) for w in workers))
-            seen = caller_figures(replies, start_at)
-            owner = seen["owner_pid"]
-            seen["master"] = f"{node.host}:{node.port}" if node is not None else "?"
-            seen["processes"] = [
-                {
-                    "pid": r["pid"],
-                    "role": "owner" if r["pid"] == owner else "follower",
-                    "client_commands": r["stats"]["commands"],
-                }
-                for r in replies
-            ]
-            results.append(seen)
+        async with _orders.started(processes, url) as workers:
+            for number in range(1, rounds + 1):
+                key = f"cluster-stampede:{run_id}:{number}"
+                node = ctl.get_node_from_key(keyspace.flight(key).meta)
+                start_at, replies = await stampede_round(
+                    workers, key=key, callers=callers, loader_s=loader_s
+                )
+                seen = caller_figures(replies, start_at)
+                owner = seen["owner_pid"]
+                seen["master"] = f"{node.host}:{node.port}" if node is not None else "?"
+                seen["processes"] = [
+                    {
+                        "pid": r["pid"],
+                        "role": "owner" if r["pid"] == owner else "follower",
+                        "client_commands": r["stats"]["commands"],
+                    }
+                    for r in replies
+                ]
+                results.append(seen)
     finally:
-        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
         await ctl.aclose()
     followers = [
         p["client_commands"] for r in results for p in r["processes"] if p["role"] != "owner"
     ]
     owners = [p["client_commands"] for r in results for p in r["processes"] if p["role"] == "owner"]
+    figures = pooled(results, processes=processes, callers=callers, loader_s=loader_s)
     return {
-        "config": {
-            "masters": masters,
-            "replicas": replicas,
-            "processes": processes,
-            "callers_per_process": callers,
-            "rounds": len(results),
-            "loader_s": loader_s,
-        },
-        "loader_runs_per_round": [r["loader_runs"] for r in results],
-        "errors": [e for r in results for e in r["errors"]],
+        **figures,
+        "config": {"masters": masters, "replicas": replicas, **figures["config"]},
         "masters_used": dict(Counter(r["master"] for r in results)),
         "arrival_spread_ms": median([r["arrival_spread_ms"] for r in results]),
-        "wake_lag_ms": wake_lags(results),
         "follower_process_commands": {
             "median": median(followers),
             "max": max(followers, default=0),

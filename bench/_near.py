@@ -28,13 +28,12 @@ import uuid
 from collections import Counter
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from flightcache import FlightCache
 
-from ._hitpath import VALUE, Op, _concurrent, _sequential
-from ._stampede import Worker
+from . import _orders
+from ._rounds import MODES, PAYLOAD, Reads, figures, ratio
 from ._util import median, summary
 
 VARIANTS = ("raw", "get", "do", "get-near", "do-near")
@@ -46,7 +45,6 @@ LABELS = {
     "do-near": "fc.do, near cache",
 }
 NEAR_OF = {"get-near": "get", "do-near": "do"}
-READY_TIMEOUT_S = 30.0
 ASK_TIMEOUT_S = 10.0
 
 
@@ -59,66 +57,27 @@ async def _hits(
     near_budget: tuple[int, float],
     concurrency: int = 64,
 ) -> dict[str, Any]:
-    payload = b"j" + orjson.dumps(VALUE)
     namespace = f"bench-near-hit-{run_id}"
-    raw = aioredis.Redis.from_url(url)
     far = FlightCache(url, namespace=namespace, near_cache=False, max_connections=concurrency)
     near = FlightCache(url, namespace=namespace, max_connections=concurrency)
-    loader_calls = 0
-
-    async def loader() -> dict[str, Any]:
-        nonlocal loader_calls
-        loader_calls += 1
-        return VALUE
-
-    keys = [f"hit:{i}" for i in range(concurrency)]
-    raw_keys = [f"bench-near-raw:{run_id}:{i}" for i in range(concurrency)]
-    try:
-        await raw.mset(dict.fromkeys(raw_keys, payload))
-        for key in keys:
-            await far.do(key, loader, ttl=3600)
-        ops: dict[str, Op] = {
-            "raw": lambda i: raw.get(raw_keys[i]),
-            "get": lambda i: far.get(keys[i]),
-            "do": lambda i: far.do(keys[i], loader, ttl=3600),
-            "get-near": lambda i: near.get(keys[i]),
-            "do-near": lambda i: near.do(keys[i], loader, ttl=3600),
-        }
-        for name, op in ops.items():
-            got = await op(0)
-            if got != (payload if name == "raw" else VALUE):
-                raise RuntimeError(f"near-cache hits {name}: read {got!r}")
-            await _concurrent(op, concurrency * 4, 5.0, concurrency)
-        loader_calls = 0
-        near_l1 = near._near  # the bench looks inside: near-cache hits and misses
-        assert near_l1 is not None
-        l1_before = (near_l1.hits, near_l1.misses)
-        samples: dict[str, dict[str, list[float]]] = {
-            mode: {v: [] for v in VARIANTS} for mode in ("sequential", "concurrent")
-        }
-        cpu_us: dict[str, dict[str, list[float]]] = {
-            mode: {v: [] for v in VARIANTS} for mode in ("sequential", "concurrent")
-        }
-        for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
-            for mode in ("sequential", "concurrent"):
-                for name in order:
-                    op = ops[name]
-                    n_ops, seconds = near_budget if name in NEAR_OF else redis_budget
-                    await _sequential(op, 200, 0.5)  # warm this variant's path again
-                    if mode == "sequential":
-                        n, dt, cpu = await _sequential(op, n_ops, seconds)
-                    else:
-                        n, dt, cpu = await _concurrent(op, n_ops, seconds, concurrency)
-                    samples[mode][name].append(n / dt)
-                    cpu_us[mode][name].append(cpu / n * 1e6)
-        if loader_calls:
-            raise RuntimeError(f"fc.do on cached keys ran the loader {loader_calls} times")
-        l1_hits, l1_misses = near_l1.hits - l1_before[0], near_l1.misses - l1_before[1]
-    finally:
-        await near.aclose()
-        await far.aclose()
-        await raw.aclose()
+    async with Reads(url, f"bench-near-raw:{run_id}", concurrency) as reads:
+        try:
+            await reads.store(far)
+            ops = {"raw": reads.raw_get, **reads.through(far), **reads.through(near, "-near")}
+            await reads.check_and_warm("near-cache hits", ops)
+            near_l1 = near._near  # the bench looks inside: near-cache hits and misses
+            assert near_l1 is not None
+            l1_before = (near_l1.hits, near_l1.misses)
+            rate, cpu_us = await reads.alternate(
+                ops,
+                VARIANTS,
+                rounds=rounds,
+                budget=lambda name: near_budget if name in NEAR_OF else redis_budget,
+            )
+            l1_hits, l1_misses = near_l1.hits - l1_before[0], near_l1.misses - l1_before[1]
+        finally:
+            await near.aclose()
+            await far.aclose()
 
     result: dict[str, Any] = {
         "config": {
@@ -128,29 +87,20 @@ async def _hits(
             "near_ops_per_measurement": near_budget[0],
             "near_seconds_per_measurement": near_budget[1],
             "concurrency": concurrency,
-            "value_bytes": len(payload),
+            "value_bytes": len(PAYLOAD),
             "near_lease_s": near.near_lease,
         },
         "near_hit_ratio": l1_hits / (l1_hits + l1_misses) if l1_hits + l1_misses else math.nan,
         "near_misses": l1_misses,
     }
-    for mode, by_name in samples.items():
-        base = by_name["raw"]
+    for mode in MODES:
         rows: dict[str, Any] = {}
-        for name, vals in by_name.items():
-            far_vals = by_name.get(NEAR_OF.get(name, ""), [])
-            rows[name] = {
-                "ops_per_s": median(vals),
-                "best_ops_per_s": max(vals),
-                "ratio_to_raw": median([v / b for v, b in zip(vals, base, strict=True)]),
-                "ratio_to_redis_served": median(
-                    [v / f for v, f in zip(vals, far_vals, strict=True)]
-                )
-                if far_vals
-                else math.nan,
-                "cpu_us_per_op": median(cpu_us[mode][name]),
-                "samples": vals,
-            }
+        for name in VARIANTS:
+            rows[name] = figures(rate, cpu_us, mode, name)
+            far_name = NEAR_OF.get(name)
+            rows[name]["ratio_to_redis_served"] = (
+                ratio(rate[mode][name], rate[mode][far_name]) if far_name else math.nan
+            )
         result[mode] = rows
     return result
 
@@ -163,7 +113,6 @@ async def _invalidation(
     url: str, run_id: str, *, nodes: int, rounds: int, seconds: float
 ) -> dict[str, Any]:
     namespace = f"bench-inval-{run_id}"
-    workers: list[Worker] = []
     fc = FlightCache(url, namespace=namespace)  # one more node: the one that writes
     alone = FlightCache(url, namespace=f"{namespace}-alone")  # baseline: no other node
     key = "inval:key"
@@ -173,49 +122,46 @@ async def _invalidation(
     held: dict[str, list[int]] = {"set": [], "invalidate": []}
     stale = probes = near_served_after = 0
     try:
-        for _ in range(nodes):
-            workers.append(await Worker.spawn(url, namespace, module="bench._near_worker"))
-        await asyncio.gather(*(w.ask({"op": "warm"}, READY_TIMEOUT_S) for w in workers))
-        live = await fc.nodes()
+        async with _orders.started(nodes, url, namespace, module="bench._near_worker") as workers:
+            live = await fc.nodes()
 
-        async def read_all() -> list[dict[str, Any]]:
-            return list(
-                await asyncio.gather(
-                    *(w.ask({"op": "read", "key": key}, ASK_TIMEOUT_S) for w in workers)
+            async def read_all() -> list[dict[str, Any]]:
+                return list(
+                    await asyncio.gather(
+                        *(w.ask({"op": "read", "key": key}, ASK_TIMEOUT_S) for w in workers)
+                    )
                 )
-            )
 
-        async def timed(name: str, call: Any) -> None:
-            t0 = time.perf_counter()
-            outcome = await call
-            timings[name].append((time.perf_counter() - t0) * 1000)
-            how[name][outcome.how] += 1
-            if name in waited_for:
-                waited_for[name][outcome.nodes] += 1
+            async def timed(name: str, call: Any) -> None:
+                t0 = time.perf_counter()
+                outcome = await call
+                timings[name].append((time.perf_counter() - t0) * 1000)
+                how[name][outcome.how] += 1
+                if name in waited_for:
+                    waited_for[name][outcome.nodes] += 1
 
-        deadline = time.perf_counter() + seconds
-        done = 0
-        while done < rounds and time.perf_counter() < deadline:
-            first, second = _value(done, "first"), _value(done, "second")
-            await fc.set(key, first)  # not timed: what the workers hold before the set
-            reads = await read_all()
-            stale += sum(r["value"] != first for r in reads)
-            held["set"].append(sum(r["held"] for r in reads))
-            await timed("set", fc.set(key, second))
-            reads = await read_all()
-            stale += sum(r["value"] != second for r in reads)
-            near_served_after += sum(r["near"] for r in reads)
-            held["invalidate"].append(sum(r["held"] for r in reads))
-            await timed("invalidate", fc.invalidate(key))
-            reads = await read_all()
-            stale += sum(r["value"] is not None for r in reads)
-            near_served_after += sum(r["near"] for r in reads)
-            probes += 3 * len(reads)
-            await alone.set(key, first)
-            await timed("alone", alone.invalidate(key))
-            done += 1
+            deadline = time.perf_counter() + seconds
+            done = 0
+            while done < rounds and time.perf_counter() < deadline:
+                first, second = _value(done, "first"), _value(done, "second")
+                await fc.set(key, first)  # not timed: what the workers hold before the set
+                reads = await read_all()
+                stale += sum(r["value"] != first for r in reads)
+                held["set"].append(sum(r["held"] for r in reads))
+                await timed("set", fc.set(key, second))
+                reads = await read_all()
+                stale += sum(r["value"] != second for r in reads)
+                near_served_after += sum(r["near"] for r in reads)
+                held["invalidate"].append(sum(r["held"] for r in reads))
+                await timed("invalidate", fc.invalidate(key))
+                reads = await read_all()
+                stale += sum(r["value"] is not None for r in reads)
+                near_served_after += sum(r["near"] for r in reads)
+                probes += 3 * len(reads)
+                await alone.set(key, first)
+                await timed("alone", alone.invalidate(key))
+                done += 1
     finally:
-        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
         await fc.aclose()
         await alone.aclose()
     return {

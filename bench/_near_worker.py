@@ -15,14 +15,13 @@ JSON line on stdout:
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import sys
-import traceback
 from typing import Any
 
 from flightcache import MISSING, FlightCache
+
+from ._orders import serve
 
 
 def _held(fc: FlightCache, key: str) -> bool:
@@ -33,7 +32,8 @@ def _held(fc: FlightCache, key: str) -> bool:
     return entry is not None and near.clock() < entry[0]
 
 
-async def read(fc: FlightCache, key: str) -> dict[str, Any]:
+async def read(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
+    key = str(msg["key"])
     near = fc._near
     hits = near.hits if near is not None else 0
     value = await fc.get(key)
@@ -44,37 +44,10 @@ async def read(fc: FlightCache, key: str) -> dict[str, Any]:
     }
 
 
-async def main(url: str, namespace: str) -> int:
-    fc = FlightCache(url, namespace=namespace)
-    try:
-        while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line:
-                return 0
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "quit":
-                return 0
-            try:
-                if op == "warm":
-                    await fc.get(f"warm:{os.getpid()}")
-                    reply: dict[str, Any] = {"pid": os.getpid(), "node_id": fc.node_id}
-                elif op == "read":
-                    reply = await read(fc, str(msg["key"]))
-                else:
-                    reply = {"error": f"unknown op {op!r}"}
-            except Exception:
-                reply = {"error": traceback.format_exc()}
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
-            if "error" in reply:
-                return 1
-    finally:
-        await fc.aclose()
+async def warm(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
+    await fc.get(f"warm:{os.getpid()}")
+    return {"pid": os.getpid(), "node_id": fc.node_id}
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(asyncio.run(main(sys.argv[1], sys.argv[2])))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: leave quietly
-        sys.exit(130)
+    serve(lambda: FlightCache(sys.argv[1], namespace=sys.argv[2]), {"warm": warm, "read": read})

@@ -263,6 +263,35 @@ def print_near(n: dict[str, Any]) -> None:
     )
 
 
+def _target(target: str, measured: str, value: Any, passed: bool) -> dict[str, Any]:
+    return {"target": target, "measured": measured, "value": value, "pass": passed}
+
+
+def _ratio_target(
+    target: str, result: dict[str, Any], names: tuple[str, str], goal: float, digits: int
+) -> dict[str, Any]:
+    """The worst ``ratio_to_raw`` of two variants (``get``/``do``), sequential and concurrent."""
+    ratios = {
+        f"{name.removesuffix('-near')} {mode[:3]}": result[mode][name]["ratio_to_raw"]
+        for mode in ("sequential", "concurrent")
+        for name in names
+    }
+    worst = min(ratios.values())
+    measured = ", ".join(f"{k} {v:.{digits}f}" for k, v in ratios.items())
+    return _target(target, measured, worst, worst >= goal)
+
+
+def _wake_target(prefix: str, lag: dict[str, Any]) -> dict[str, Any]:
+    """The larger wake-lag p99 of owner-process and remote-follower callers."""
+    p99 = max(lag["owner"]["p99"], lag["remote"]["p99"])
+    return _target(
+        f"{prefix}wake lag p99 <= {WAKE_P99_TARGET_MS:g} ms (loopback)",
+        f"owner {lag['owner']['p99']:.2f} ms, remote {lag['remote']['p99']:.2f} ms",
+        p99,
+        p99 <= WAKE_P99_TARGET_MS,
+    )
+
+
 def targets(
     s: dict[str, Any] | None,
     h: dict[str, Any] | None,
@@ -271,120 +300,79 @@ def targets(
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if h is not None:
-        ratios = {
-            f"{name} {mode[:3]}": h[mode][name]["ratio_to_raw"]
-            for mode in ("sequential", "concurrent")
-            for name in ("get", "do")
-        }
-        worst = min(ratios.values())
-        out.append(
-            {
-                "target": f"hit path >= {HIT_RATIO_TARGET} x raw GET",
-                "measured": ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()),
-                "value": worst,
-                "pass": worst >= HIT_RATIO_TARGET,
-            }
-        )
+        target = f"hit path >= {HIT_RATIO_TARGET} x raw GET"
+        out.append(_ratio_target(target, h, ("get", "do"), HIT_RATIO_TARGET, 2))
     if s is not None:
-        lag = s["wake_lag_ms"]
-        p99 = max(lag["owner"]["p99"], lag["remote"]["p99"])
-        out.append(
-            {
-                "target": f"wake lag p99 <= {WAKE_P99_TARGET_MS:g} ms (loopback)",
-                "measured": (
-                    f"owner {lag['owner']['p99']:.2f} ms, remote {lag['remote']['p99']:.2f} ms"
-                ),
-                "value": p99,
-                "pass": p99 <= WAKE_P99_TARGET_MS,
-            }
-        )
+        out.append(_wake_target("", s["wake_lag_ms"]))
         m = s["commands"]
         cl, sv = m["follower_process_client"], m["follower_process_server"]
         worst_cmds = max(cl["max"], sv["max"])
         out.append(
-            {
-                "target": f"<= {FOLLOWER_COMMANDS_TARGET} Redis commands per remote follower",
-                "measured": f"median {cl['median']:g}, max {worst_cmds:g} (every follower process)",
-                "value": worst_cmds,
-                "pass": worst_cmds <= FOLLOWER_COMMANDS_TARGET,
-            }
+            _target(
+                f"<= {FOLLOWER_COMMANDS_TARGET} Redis commands per remote follower",
+                f"median {cl['median']:g}, max {worst_cmds:g} (every follower process)",
+                worst_cmds,
+                worst_cmds <= FOLLOWER_COMMANDS_TARGET,
+            )
         )
         runs = s["loader_runs_per_round"]
         out.append(
-            {
-                "target": "loader runs exactly once per stampede",
-                "measured": f"{sum(r == 1 for r in runs)}/{len(runs)} rounds",
-                "value": max(runs),
-                "pass": all(r == 1 for r in runs) and not s["errors"],
-            }
+            _target(
+                "loader runs exactly once per stampede",
+                f"{sum(r == 1 for r in runs)}/{len(runs)} rounds",
+                max(runs),
+                all(r == 1 for r in runs) and not s["errors"],
+            )
         )
     if g is not None:
         calls = g["upstream_calls_per_burst"]
         size = g["config"]["burst_size"]
         out.append(
-            {
-                "target": f"1 upstream call per burst of {size} (2 gateways)",
-                "measured": (
-                    f"{sum(c == 1 for c in calls)}/{len(calls)} bursts, "
-                    f"{g['burst_errors']} client errors "
-                    f"(without coalescing: {g['bypass_burst']['upstream_calls']})"
-                ),
-                "value": max(calls),
-                "pass": all(c == 1 for c in calls)
-                and not g["burst_errors"]
-                and not g["burst_mismatched"],
-            }
+            _target(
+                f"1 upstream call per burst of {size} (2 gateways)",
+                f"{sum(c == 1 for c in calls)}/{len(calls)} bursts, "
+                f"{g['burst_errors']} client errors "
+                f"(without coalescing: {g['bypass_burst']['upstream_calls']})",
+                max(calls),
+                all(c == 1 for c in calls) and not g["burst_errors"] and not g["burst_mismatched"],
+            )
         )
         d = g["ttft"]["follower_minus_owner_ms"]
         out.append(
-            {
-                "target": f"follower TTFT - owner's p99 <= {TTFT_P99_TARGET_MS:g} ms",
-                "measured": (
-                    f"p50 {d['all']['p50']:.2f}, p99 {d['all']['p99']:.2f} ms "
-                    f"(local {d['local']['p99']:.2f}, remote {d['remote']['p99']:.2f})"
-                ),
-                "value": d["all"]["p99"],
-                "pass": d["all"]["p99"] <= TTFT_P99_TARGET_MS,
-            }
+            _target(
+                f"follower TTFT - owner's p99 <= {TTFT_P99_TARGET_MS:g} ms",
+                f"p50 {d['all']['p50']:.2f}, p99 {d['all']['p99']:.2f} ms "
+                f"(local {d['local']['p99']:.2f}, remote {d['remote']['p99']:.2f})",
+                d["all"]["p99"],
+                d["all"]["p99"] <= TTFT_P99_TARGET_MS,
+            )
         )
     if n is not None:
-        hits = n["hits"]
-        ratios = {
-            f"{name[:-5]} {mode[:3]}": hits[mode][name]["ratio_to_raw"]
-            for mode in ("sequential", "concurrent")
-            for name in ("get-near", "do-near")
-        }
-        worst = min(ratios.values())
+        goal = NEAR_RATIO_TARGET
+        names = ("get-near", "do-near")
         out.append(
-            {
-                "target": f"near-cache hits >= {NEAR_RATIO_TARGET:g} x raw GET",
-                "measured": ", ".join(f"{k} {v:.1f}" for k, v in ratios.items()),
-                "value": worst,
-                "pass": worst >= NEAR_RATIO_TARGET,
-            }
+            _ratio_target(f"near-cache hits >= {goal:g} x raw GET", n["hits"], names, goal, 1)
         )
         inv = n["invalidation"]
         calls = sum(inv["how"]["invalidate"].values()) + sum(inv["how"]["set"].values())
         acked = inv["how"]["invalidate"].get("acked", 0) + inv["how"]["set"].get("acked", 0)
         p99 = inv["latency_ms"]["invalidate"]["p99"]
         out.append(
-            {
-                "target": f"invalidate/set acked by {inv['config']['nodes']} live nodes",
-                "measured": (
-                    f"{acked}/{calls} acked; invalidate p99 {p99:.2f} ms "
-                    f"(lease bound {inv['config']['lease_bound_s'] * 1000:.0f} ms)"
-                ),
-                "value": acked,
-                "pass": calls > 0 and acked == calls,
-            }
+            _target(
+                f"invalidate/set acked by {inv['config']['nodes']} live nodes",
+                f"{acked}/{calls} acked; invalidate p99 {p99:.2f} ms "
+                f"(lease bound {inv['config']['lease_bound_s'] * 1000:.0f} ms)",
+                acked,
+                calls > 0 and acked == calls,
+            )
         )
         out.append(
-            {
-                "target": "no stale read after invalidate/set returns",
-                "measured": f"{inv['stale_reads']} stale of {inv['probes']} probes",
-                "value": inv["stale_reads"],
-                "pass": inv["stale_reads"] == 0,
-            }
+            _target(
+                "no stale read after invalidate/set returns",
+                f"{inv['stale_reads']} stale of {inv['probes']} probes",
+                inv["stale_reads"],
+                inv["stale_reads"] == 0,
+            )
         )
     return out
 
@@ -547,25 +535,14 @@ def scale_targets(
     if c is not None:
         runs = c["loader_runs_per_round"]
         out.append(
-            {
-                "target": "cluster: loader runs exactly once per stampede",
-                "measured": f"{sum(x == 1 for x in runs)}/{len(runs)} rounds, "
-                f"{len(c['errors'])} caller errors",
-                "value": max(runs),
-                "pass": all(x == 1 for x in runs) and not c["errors"],
-            }
+            _target(
+                "cluster: loader runs exactly once per stampede",
+                f"{sum(x == 1 for x in runs)}/{len(runs)} rounds, {len(c['errors'])} caller errors",
+                max(runs),
+                all(x == 1 for x in runs) and not c["errors"],
+            )
         )
-        lag = c["wake_lag_ms"]
-        p99 = max(lag["owner"]["p99"], lag["remote"]["p99"])
-        out.append(
-            {
-                "target": f"cluster: wake lag p99 <= {WAKE_P99_TARGET_MS:g} ms (loopback)",
-                "measured": f"owner {lag['owner']['p99']:.2f} ms, "
-                f"remote {lag['remote']['p99']:.2f} ms",
-                "value": p99,
-                "pass": p99 <= WAKE_P99_TARGET_MS,
-            }
-        )
+        out.append(_wake_target("cluster: ", c["wake_lag_ms"]))
     if r is not None:
         sets = r["config"]["other_name_sets"]
         for points in r["config"]["points"]:
@@ -575,15 +552,13 @@ def scale_targets(
             other_worst = max(x["other_name_sets_arc_worst"] for _, x in rows)
             label = " (default)" if points == 160 else ""
             out.append(
-                {
-                    "target": f"ring max/mean <= {RING_TARGET:.2f}, {points} points{label}",
-                    "measured": (
-                        f"{r['config']['names']}: worst {worst['max_over_mean']:.3f} (N={n_worst});"
-                        f" other names: {over}/{sets * len(rows)} over (worst {other_worst:.3f})"
-                    ),
-                    "value": max(worst["max_over_mean"], other_worst),
-                    "pass": worst["max_over_mean"] <= RING_TARGET and over == 0,
-                }
+                _target(
+                    f"ring max/mean <= {RING_TARGET:.2f}, {points} points{label}",
+                    f"{r['config']['names']}: worst {worst['max_over_mean']:.3f} (N={n_worst});"
+                    f" other names: {over}/{sets * len(rows)} over (worst {other_worst:.3f})",
+                    max(worst["max_over_mean"], other_worst),
+                    worst["max_over_mean"] <= RING_TARGET and over == 0,
+                )
             )
         ratios = [
             (row["shards"], row["160"]["moved"] * (row["shards"] + 1)) for row in r["by_shards"]
@@ -591,44 +566,44 @@ def scale_targets(
         n_worst, worst_ratio = max(ratios, key=lambda x: x[1])
         between = sum(row["160"]["moved_between_old_shards"] for row in r["by_shards"])
         out.append(
-            {
-                "target": f"adding a shard moves <= {REMAP_TARGET:g}/(N+1) of keys",
-                "measured": f"worst {worst_ratio:.2f} x 1/(N+1) (N={n_worst}, 160 points); "
+            _target(
+                f"adding a shard moves <= {REMAP_TARGET:g}/(N+1) of keys",
+                f"worst {worst_ratio:.2f} x 1/(N+1) (N={n_worst}, 160 points); "
                 f"{between} moved between old shards",
-                "value": worst_ratio,
-                "pass": worst_ratio <= REMAP_TARGET and between == 0,
-            }
+                worst_ratio,
+                worst_ratio <= REMAP_TARGET and between == 0,
+            )
         )
     if b is not None:
         rate, target = b["false_positive_rate"], b["config"]["error_rate"]
         out.append(
-            {
-                "target": f"Bloom FP rate <= {BLOOM_TARGET:g} x {target:g} at capacity",
-                "measured": f"{rate:.5f} ({rate / target:.2f} x; formula "
+            _target(
+                f"Bloom FP rate <= {BLOOM_TARGET:g} x {target:g} at capacity",
+                f"{rate:.5f} ({rate / target:.2f} x; formula "
                 f"{b['expected_rate']:.5f}); {b['false_negatives']} false negatives",
-                "value": rate,
-                "pass": rate <= BLOOM_TARGET * target and b["false_negatives"] == 0,
-            }
+                rate,
+                rate <= BLOOM_TARGET * target and b["false_negatives"] == 0,
+            )
         )
     if a is not None:
         on, off = a["refresh_ahead"], a["plain"]
         out.append(
-            {
-                "target": "refresh-ahead: 0 calls wait for the loader",
-                "measured": f"{on['waited']} of {on['calls']} calls "
+            _target(
+                "refresh-ahead: 0 calls wait for the loader",
+                f"{on['waited']} of {on['calls']} calls "
                 f"(without refresh-ahead: {off['waited']} of {off['calls']})",
-                "value": on["waited"],
-                "pass": on["waited"] == 0 and not on["errors"],
-            }
+                on["waited"],
+                on["waited"] == 0 and not on["errors"],
+            )
         )
         out.append(
-            {
-                "target": f"refresh-ahead: <= {RUNS_PER_TTL_TARGET:g} loader runs per TTL",
-                "measured": f"{on['runs_per_ttl']:.2f} runs per TTL period, every "
+            _target(
+                f"refresh-ahead: <= {RUNS_PER_TTL_TARGET:g} loader runs per TTL",
+                f"{on['runs_per_ttl']:.2f} runs per TTL period, every "
                 f"{on['run_interval_ms']['p50']:.0f} ms (without: {off['runs_per_ttl']:.2f}); "
                 f"at most {on['most_runs_at_once']} at once",
-                "value": on["runs_per_ttl"],
-                "pass": on["runs_per_ttl"] <= RUNS_PER_TTL_TARGET and on["most_runs_at_once"] <= 1,
-            }
+                on["runs_per_ttl"],
+                on["runs_per_ttl"] <= RUNS_PER_TTL_TARGET and on["most_runs_at_once"] <= 1,
+            )
         )
     return out

@@ -12,11 +12,11 @@ import asyncio
 import contextlib
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._util import python_module
+
 _ADDRESS = re.compile(rb"listening on (http://\S+)")
 
 
@@ -38,15 +38,12 @@ class Service:
         fd, log_name = tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".log")
         log_path = Path(log_name)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
+            proc = await python_module(
                 "flightcache",
                 *args,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=fd,
-                cwd=str(ROOT),
             )
         except BaseException:
             _remove(log_path)

@@ -13,78 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import sys
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from . import _orders
+from ._orders import Worker
 from ._util import CONTROL_COMMANDS, SETUP_COMMANDS, command_calls, delta, median, summary
 
-ROOT = Path(__file__).resolve().parent.parent
-READY_TIMEOUT_S = 30.0
 START_DELAY_S = 0.4  # orders go out this long before the callers start
 ROUND_TIMEOUT_S = 20.0
 CONTAINER_COMMANDS = frozenset({"client", "script", "config", "cluster", "function", "object"})
-
-
-class Worker:
-    """One worker process, spoken to in JSON lines; killed by its own pid when in doubt."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-
-    @classmethod
-    async def spawn(cls, url: str, *args: str, module: str = "bench._worker") -> Worker:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            module,
-            url,
-            *args,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            cwd=str(ROOT),
-            env=env,
-            limit=1 << 22,
-        )
-        return cls(proc)
-
-    async def send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-        await self.proc.stdin.drain()
-
-    async def receive(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        if not line:
-            raise RuntimeError(f"worker {self.pid} exited (code {await self.proc.wait()})")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"worker {self.pid} failed:\n{reply['error']}")
-        return reply
-
-    async def ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        await self.send(msg)
-        return await self.receive(timeout)
-
-    async def close(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(Exception):
-                await self.send({"op": "quit"})
-                await asyncio.wait_for(self.proc.wait(), 5)
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
 
 
 class Monitor:
@@ -161,17 +103,7 @@ async def _round(
     before = command_calls(await ctl.info("commandstats"))
     start_marker, end_marker = f"bench-round-{number}-start", f"bench-round-{number}-end"
     await ctl.echo(start_marker)
-    start_at = time.monotonic() + START_DELAY_S
-    order = {
-        "op": "stampede",
-        "key": key,
-        "callers": callers,
-        "start_at": start_at,
-        "loader_s": loader_s,
-        "timeout": ROUND_TIMEOUT_S,
-    }
-    await asyncio.gather(*(w.send(order) for w in workers))
-    replies = await asyncio.gather(*(w.receive(ROUND_TIMEOUT_S + 5) for w in workers))
+    start_at, replies = await stampede_round(workers, key=key, callers=callers, loader_s=loader_s)
     await ctl.echo(end_marker)
     after = command_calls(await ctl.info("commandstats"))
     owners = await _port_owners(ctl)
@@ -213,6 +145,28 @@ async def _round(
     }
 
 
+async def stampede_round(
+    workers: list[Worker], *, key: str, callers: int, loader_s: float
+) -> tuple[float, list[dict[str, Any]]]:
+    """Every worker starts ``callers`` calls of ``fc.do(key)`` at one ``time.monotonic()``
+    instant, ``START_DELAY_S`` from now; that instant and the workers' replies.
+
+    Shared with the cluster stampede (``_cluster.py``).
+    """
+    start_at = time.monotonic() + START_DELAY_S
+    order = {
+        "op": "stampede",
+        "key": key,
+        "callers": callers,
+        "start_at": start_at,
+        "loader_s": loader_s,
+        "timeout": ROUND_TIMEOUT_S,
+    }
+    await asyncio.gather(*(w.send(order) for w in workers))
+    replies = await asyncio.gather(*(w.receive(ROUND_TIMEOUT_S + 5) for w in workers))
+    return start_at, list(replies)
+
+
 def caller_figures(replies: list[dict[str, Any]], start_at: float) -> dict[str, Any]:
     """What the callers of one round saw: loader runs, errors, the owner, wake lags (ms).
 
@@ -247,11 +201,25 @@ def caller_figures(replies: list[dict[str, Any]], start_at: float) -> dict[str, 
     }
 
 
-def wake_lags(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """The rounds' wake lags pooled: owner-process and remote callers, first woken of each."""
+def pooled(
+    rounds: list[dict[str, Any]], *, processes: int, callers: int, loader_s: float
+) -> dict[str, Any]:
+    """What every stampede reports over its rounds (of :func:`caller_figures`): its shape,
+    the loader runs of each round, every caller error, and the wake lags pooled (owner-process
+    and remote callers, the first woken of each). Shared with the cluster stampede."""
     return {
-        field: summary([x for r in rounds for x in r[f"{field}_lag_ms"]])
-        for field in ("owner", "remote", "owner_first", "remote_first")
+        "config": {
+            "processes": processes,
+            "callers_per_process": callers,
+            "rounds": len(rounds),
+            "loader_s": loader_s,
+        },
+        "loader_runs_per_round": [r["loader_runs"] for r in rounds],
+        "errors": [e for r in rounds for e in r["errors"]],
+        "wake_lag_ms": {
+            field: summary([x for r in rounds for x in r[f"{field}_lag_ms"]])
+            for field in ("owner", "remote", "owner_first", "remote_first")
+        },
     }
 
 
@@ -263,29 +231,25 @@ async def run(
 ) -> dict[str, Any]:
     ctl = aioredis.Redis.from_url(url)
     monitor = Monitor(url)
-    workers: list[Worker] = []
     run_id = uuid.uuid4().hex[:8]
     try:
-        for _ in range(processes):
-            workers.append(await Worker.spawn(url))
-        await asyncio.gather(*(w.ask({"op": "warm"}, READY_TIMEOUT_S) for w in workers))
-        await monitor.start()
-        results = []
-        for number in range(1, rounds + 1):
-            key = f"stampede:{run_id}:{number}"
-            results.append(
-                await _round(
-                    ctl,
-                    monitor,
-                    workers,
-                    key=key,
-                    number=number,
-                    callers=callers,
-                    loader_s=loader_s,
+        async with _orders.started(processes, url) as workers:
+            await monitor.start()
+            results = []
+            for number in range(1, rounds + 1):
+                key = f"stampede:{run_id}:{number}"
+                results.append(
+                    await _round(
+                        ctl,
+                        monitor,
+                        workers,
+                        key=key,
+                        number=number,
+                        callers=callers,
+                        loader_s=loader_s,
+                    )
                 )
-            )
     finally:
-        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
         await monitor.stop()
         await ctl.aclose()
     return _aggregate(results, processes=processes, callers=callers, loader_s=loader_s)
@@ -307,16 +271,8 @@ def _aggregate(
     )
     all_server = per_round("server_commandstats")
     return {
-        "config": {
-            "processes": processes,
-            "callers_per_process": callers,
-            "rounds": len(rounds),
-            "loader_s": loader_s,
-        },
-        "loader_runs_per_round": [r["loader_runs"] for r in rounds],
-        "errors": [e for r in rounds for e in r["errors"]],
+        **pooled(rounds, processes=processes, callers=callers, loader_s=loader_s),
         "arrival_spread_ms": summary([r["arrival_spread_ms"] for r in rounds]),
-        "wake_lag_ms": wake_lags(rounds),
         "commands": {
             "server_top_level_per_round": top_level,
             "server_top_level_setup_per_round": top_level_setup,

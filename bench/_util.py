@@ -1,12 +1,17 @@
-"""Small helpers shared by the bench phases: percentiles and the server's command counters."""
+"""Small helpers shared by the bench phases: percentiles, the server's command counters, and
+``python -m`` subprocesses started from the repository root."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 # Commands the bench's own control connection sends; never counted as the library's.
 CONTROL_COMMANDS = frozenset({"info", "echo", "client|list", "monitor"})
 # Commands a client sends when it opens a connection, not per call.
@@ -50,3 +55,11 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     names = set(before) | set(after)
     out = {n: after.get(n, 0) - before.get(n, 0) for n in names}
     return {n: v for n, v in sorted(out.items()) if v}
+
+
+async def python_module(module: str, *args: str, **options: Any) -> asyncio.subprocess.Process:
+    """``python -m <module> <args>`` with this interpreter, run from the repository root;
+    ``options`` go to :func:`asyncio.create_subprocess_exec` (pipes, env, limit)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, cwd=str(ROOT), **options
+    )

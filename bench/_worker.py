@@ -14,14 +14,14 @@ answering each with one JSON line on stdout:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 from flightcache import FlightCache
+
+from ._orders import serve
 
 NAMESPACE = "bench"
 
@@ -75,38 +75,11 @@ async def stampede(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def main(url: str) -> int:
+def _cache() -> FlightCache:
     # node_ttl=60: the liveness heartbeat (one script call every node_ttl / 3 per process,
     # not per flight) stays out of the rounds, whose commands are counted per process.
-    fc = FlightCache(url, namespace=NAMESPACE, lease=3.0, node_ttl=60.0)
-    try:
-        while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line:
-                return 0
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "quit":
-                return 0
-            try:
-                if op == "warm":
-                    reply = await warm(fc, msg)
-                elif op == "stampede":
-                    reply = await stampede(fc, msg)
-                else:
-                    reply = {"error": f"unknown op {op!r}"}
-            except Exception:
-                reply = {"error": traceback.format_exc()}
-            sys.stdout.write(json.dumps(reply) + "\n")
-            sys.stdout.flush()
-            if "error" in reply:
-                return 1
-    finally:
-        await fc.aclose()
+    return FlightCache(sys.argv[1], namespace=NAMESPACE, lease=3.0, node_ttl=60.0)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(asyncio.run(main(sys.argv[1])))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: leave quietly
-        sys.exit(130)
+    serve(_cache, {"warm": warm, "stampede": stampede})

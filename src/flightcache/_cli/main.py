@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from .._backends.redis import safe_url
@@ -29,6 +29,7 @@ DEFAULT_URL_ENV = "FLIGHTCACHE_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 Handler = Callable[[argparse.Namespace], int]
+_N = TypeVar("_N", int, float)
 
 
 # -- shared options ----------------------------------------------------------------------
@@ -50,24 +51,27 @@ def _add_redis_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
-    return value
+def _number(
+    convert: Callable[[str], _N], kind: str, ok: Callable[[_N], bool], rule: str
+) -> Callable[[str], _N]:
+    """An argparse type: ``convert(text)`` (else "not <kind>"), which must be ``ok`` (else
+    "must be <rule>")."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}: {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
-    return value
+_positive_float = _number(float, "a number", lambda v: v > 0, "greater than 0")
+_positive_int = _number(int, "an integer", lambda v: v >= 1, "at least 1")
+non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), "0 or more")
 
 
 # -- demo ---------------------------------------------------------------------------------
@@ -106,6 +110,8 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from .demo import DemoConfig, run_demo
 
     if args.kill and args.workers < 2:
@@ -114,13 +120,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    config = DemoConfig(
-        workers=args.workers,
-        callers=args.callers,
-        loader_seconds=args.loader_seconds,
-        lease=args.lease,
-        kill=args.kill,
-    )
+    # Every field of DemoConfig is an option of ``demo``, under the same name.
+    config = DemoConfig(**{f.name: getattr(args, f.name) for f in fields(DemoConfig)})
     return run_demo(config)
 
 
@@ -238,17 +239,6 @@ def _run_status(args: argparse.Namespace) -> int:
 # -- mock-upstream ------------------------------------------------------------------------
 
 
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number of 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-    return value
-
-
 def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "mock-upstream",
@@ -291,17 +281,29 @@ def _run_mock_upstream(args: argparse.Namespace) -> int:
         from ..gateway._mock import BANNER, make_mock_app
         from ..gateway._serve_util import serve
     except ImportError as exc:
-        print(
-            f"{PROG} mock-upstream: error: {exc}; install the gateway extra: "
-            "pip install 'flightcache[gateway]'",
-            file=sys.stderr,
-        )
-        return 2
+        return _no_gateway_extra(args, exc)
     app = make_mock_app(latency_ms=args.latency_ms, tokens_per_s=args.tokens_per_s)
+    return _listen(args, serve, app, BANNER)
+
+
+def _no_gateway_extra(args: argparse.Namespace, exc: ImportError) -> int:
+    print(
+        f"{PROG} {args.command}: error: {exc}; install the gateway extra: "
+        "pip install 'flightcache[gateway]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _listen(
+    args: argparse.Namespace, serve: Callable[..., int], app: Any, banner: str, **options: Any
+) -> int:
+    """``serve`` (the gateway extra's, which the caller imported) runs ``app`` on ``--host``
+    and ``--port``; its exit status, or 2 if it cannot listen there."""
     try:
-        return serve(app, host=args.host, port=args.port, banner=BANNER)
+        return serve(app, host=args.host, port=args.port, banner=banner, **options)
     except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
-        print(f"{PROG} mock-upstream: error: {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
 
 
@@ -408,12 +410,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         from ..gateway._app import make_app
         from ..gateway._serve_util import serve
     except ImportError as exc:
-        print(
-            f"{PROG} serve: error: {exc}; install the gateway extra: "
-            "pip install 'flightcache[gateway]'",
-            file=sys.stderr,
-        )
-        return 2
+        return _no_gateway_extra(args, exc)
     if not args.upstream:
         print(
             f"{PROG} serve: error: --upstream URL (or ${UPSTREAM_ENV}) is required", file=sys.stderr
@@ -447,11 +444,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         f"flightcache gateway listening on {{url}} (upstream {_shown_url(args.upstream)}, "
         f"cache on {cache}, namespace {args.namespace})"
     )
-    try:
-        return serve(app, host=args.host, port=args.port, banner=banner, log_level=args.log_level)
-    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
-        print(f"{PROG} serve: error: {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+    return _listen(args, serve, app, banner, log_level=args.log_level)
 
 
 # -- the parser and main ------------------------------------------------------------------

@@ -77,6 +77,11 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+
+        def latency(name: str, doc: str) -> Histogram:
+            """A time from the request to a point of its answer, by route and X-Cache."""
+            return Histogram(name, doc, ["route", "cache"], buckets=_LATENCY_BUCKETS, registry=r)
+
         self.requests = Counter(
             "flightcache_gateway_requests",
             "Requests answered, by route, X-Cache outcome (NONE: not through the cache) and "
@@ -96,19 +101,13 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
-        self.duration = Histogram(
+        self.duration = latency(
             "flightcache_gateway_request_duration_seconds",
             "Time from the request to the last byte of the answer",
-            ["route", "cache"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte = latency(
             "flightcache_gateway_time_to_first_byte_seconds",
             "Time from the request to the first byte of the answer's body",
-            ["route", "cache"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
         self.in_flight = Gauge(
             "flightcache_gateway_requests_in_flight", "Requests being answered", registry=r

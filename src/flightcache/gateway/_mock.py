@@ -49,9 +49,9 @@ import struct
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import orjson
 from starlette.applications import Starlette
@@ -84,6 +84,7 @@ _WORDS = (
     "comet drift falcon grove haven ivory"
 ).split()
 _BEARER = re.compile(r"bearer[ \t]+(\S+)[ \t]*", re.IGNORECASE)
+_Ask = TypeVar("_Ask")  # what a route makes of a request's body
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,26 @@ def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+async def _until(moment: float) -> None:
+    """Sleep until ``moment`` on ``time.monotonic()``."""
+    delay = moment - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def _inputs(value: Any, name: str) -> list[Any]:
+    """A prompt or embedding input as a list of inputs (a string or one token array is one)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+        return [value]
+    if isinstance(value, list) and value:
+        return value
+    raise _BadRequest(f"'{name}' must be a string, an array of strings or tokens", name)
+
+
+def _input_tokens(inputs: list[Any]) -> int:
+    return sum(len(i) if isinstance(i, list) else _count_words(i) for i in inputs)
+
+
 def _plan(kind: Literal["chat", "text"], body: dict[str, Any], text_tokens: int) -> _Plan:
     _check_common(body)
     n = _int_param(body, "n", 1, 128) or 1
@@ -381,16 +402,8 @@ def _plan(kind: Literal["chat", "text"], body: dict[str, Any], text_tokens: int)
         prompts = [None]
         prompt_tokens = 3 + sum(3 + _count_words(m) for m in messages)
     else:
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-        ):
-            prompts = [prompt]
-        elif isinstance(prompt, list) and prompt:
-            prompts = prompt
-        else:
-            raise _BadRequest("'prompt' must be a string, an array of strings or tokens", "prompt")
-        prompt_tokens = sum(len(p) if isinstance(p, list) else _count_words(p) for p in prompts)
+        prompts = _inputs(body.get("prompt", ""), "prompt")
+        prompt_tokens = _input_tokens(prompts)
     choices: list[tuple[list[str], str]] = []
     for prompt in prompts:
         seed = _digest({**seed_fields, "prompt": prompt})
@@ -411,6 +424,26 @@ def _plan(kind: Literal["chat", "text"], body: dict[str, Any], text_tokens: int)
         id=prefix + uuid.uuid4().hex,
         created=int(time.time()),
     )
+
+
+@dataclass(frozen=True)
+class _EmbeddingsAsk:
+    model: str
+    inputs: list[Any]
+    dimensions: int
+    encoding: str  # "float" or "base64"
+
+
+def _embeddings_ask(body: dict[str, Any], default_dimensions: int) -> _EmbeddingsAsk:
+    _check_common(body)
+    dimensions = _int_param(body, "dimensions", 1, 8192) or default_dimensions
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise _BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    inputs = _inputs(body.get("input"), "input")
+    if any(item in ("", []) for item in inputs):
+        raise _BadRequest("'input' cannot contain an empty string", "input")
+    return _EmbeddingsAsk(body["model"], inputs, dimensions, encoding)
 
 
 def _embedding(text: Any, dimensions: int, model: str) -> list[float]:
@@ -552,6 +585,25 @@ def make_mock_app(
             )
         return mode, settings, started
 
+    async def admit(
+        request: Request, parse: Callable[[dict[str, Any]], _Ask]
+    ) -> tuple[_Ask, Mode, MockSettings, float] | Response:
+        """Auth, then the body (``parse`` makes it what the route needs, or raises
+        _BadRequest), then :func:`gate`; an error response at the first that fails."""
+        started = time.monotonic()
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
+        try:
+            ask = parse(await read_body(request))
+        except _BadRequest as exc:
+            return error_response(400, str(exc), param=exc.param)
+        gated = await gate(request, started)
+        if isinstance(gated, Response):
+            return gated
+        mode, settings, started = gated
+        return ask, mode, settings, started
+
     def cut_after(settings: MockSettings, total: int) -> int | None:
         if settings.cut_after is not None:
             return settings.cut_after
@@ -566,30 +618,17 @@ def make_mock_app(
         return _CuttableStream(half(), media_type="application/json")
 
     async def completion(request: Request, kind: Literal["chat", "text"]) -> Response:
-        started = time.monotonic()
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
-        try:
-            plan = _plan(kind, await read_body(request), mock.settings.text_tokens)
-        except _BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param)
-        gated = await gate(request, started)
-        if isinstance(gated, Response):
-            return gated
-        mode, settings, started = gated
+        admitted = await admit(request, lambda body: _plan(kind, body, mock.settings.text_tokens))
+        if isinstance(admitted, Response):
+            return admitted
+        plan, mode, settings, started = admitted
         tps = settings.tokens_per_s
         first_at = started + settings.latency_ms / 1000
         longest = max(len(tokens) for tokens, _ in plan.choices)
         headers = {"x-request-id": "req_" + uuid.uuid4().hex}
 
-        async def until(moment: float) -> None:
-            delay = moment - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-
         if not plan.stream:
-            await until(first_at + (longest - 1) / tps if tps else first_at)
+            await _until(first_at + (longest - 1) / tps if tps else first_at)
             data = orjson.dumps(plan.body())
             if mode == "cut":
                 return cut_body(data)
@@ -599,7 +638,7 @@ def make_mock_app(
         mock.streams += 1
 
         async def events() -> AsyncIterator[bytes]:
-            await until(first_at)
+            await _until(first_at)
             if plan.kind == "chat":
                 yield b"".join(plan.chunk(i, "") for i in range(len(plan.choices)))
             for position in range(longest):
@@ -607,7 +646,7 @@ def make_mock_app(
                     mock.cuts += 1
                     raise _Cut
                 if position and tps:
-                    await until(first_at + position / tps)
+                    await _until(first_at + position / tps)
                 yield b"".join(
                     plan.chunk(i, tokens[position])
                     for i, (tokens, _) in enumerate(plan.choices)
@@ -630,52 +669,21 @@ def make_mock_app(
         return await completion(request, "text")
 
     async def embeddings(request: Request) -> Response:
-        started = time.monotonic()
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
-        try:
-            body = await read_body(request)
-            _check_common(body)
-            dims = _int_param(body, "dimensions", 1, 8192) or embedding_dimensions
-            fmt = body.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
-                raise _BadRequest(
-                    "'encoding_format' must be 'float' or 'base64'", "encoding_format"
-                )
-            raw = body.get("input")
-            inputs: list[Any]
-            if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
-                inputs = [raw]
-            elif isinstance(raw, list) and raw:
-                inputs = raw
-            else:
-                raise _BadRequest(
-                    "'input' must be a string, an array of strings or tokens", "input"
-                )
-            if any(item in ("", []) for item in inputs):
-                raise _BadRequest("'input' cannot contain an empty string", "input")
-        except _BadRequest as exc:
-            return error_response(400, str(exc), param=exc.param)
-        gated = await gate(request, started)
-        if isinstance(gated, Response):
-            return gated
-        mode, settings, started = gated
+        admitted = await admit(request, lambda body: _embeddings_ask(body, embedding_dimensions))
+        if isinstance(admitted, Response):
+            return admitted
+        ask, mode, settings, started = admitted
         data = []
-        for index, item in enumerate(inputs):
-            vector = _embedding(item, dims, body["model"])
+        for index, item in enumerate(ask.inputs):
+            vector = _embedding(item, ask.dimensions, ask.model)
             encoded: Any = vector
-            if fmt == "base64":
-                encoded = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+            if ask.encoding == "base64":
+                encoded = base64.b64encode(struct.pack(f"<{ask.dimensions}f", *vector)).decode()
             data.append({"object": "embedding", "index": index, "embedding": encoded})
-        prompt_tokens = sum(len(i) if isinstance(i, list) else _count_words(i) for i in inputs)
+        prompt_tokens = _input_tokens(ask.inputs)
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
-        answer = orjson.dumps(
-            {"object": "list", "data": data, "model": body["model"], "usage": usage}
-        )
-        delay = started + settings.latency_ms / 1000 - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        answer = orjson.dumps({"object": "list", "data": data, "model": ask.model, "usage": usage})
+        await _until(started + settings.latency_ms / 1000)
         if mode == "cut":
             return cut_body(answer)
         return Response(answer, 200, media_type="application/json")

@@ -14,6 +14,7 @@ streams out of the negative cache (other 4xx are kept ``client_error_ttl`` secon
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
@@ -240,17 +241,17 @@ class Upstream:
         headers = _kept_error_headers(response.headers)
         return UpstreamError(status, body, headers, error_ttl=self.error_ttl(status))
 
-    def _request(self, path: str, body: Any, headers: Mapping[str, str]) -> httpx.Request:
+    @contextlib.asynccontextmanager
+    async def _post(
+        self, route: str, path: str, body: Any, headers: Mapping[str, str]
+    ) -> AsyncIterator[httpx.Response]:
+        """One JSON POST to the upstream, counted by ``on_call``: its 200 response, streamed
+        and closed on the way out, or UpstreamError (a transport error while the caller
+        reads the body becomes one too)."""
         sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
-        return self.client.build_request(
+        request = self.client.build_request(
             "POST", self.url(path), content=orjson.dumps(body), headers=sent
         )
-
-    async def stream_chunks(
-        self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The chunks of one streamed completion, ``[DONE]`` included, or UpstreamError."""
-        request = self._request(path, body, {**headers, "accept": "text/event-stream"})
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -259,28 +260,39 @@ class Upstream:
             self._on_call(route, str(response.status_code))
             if response.status_code != 200:
                 raise await self._error_from(response)
-            if "text/event-stream" not in response.headers.get("content-type", ""):
-                # An upstream that ignores stream: true; its whole answer becomes the chunks.
-                answer = orjson.loads(await response.aread())
-                for chunk in chunks_from_completion(answer):
-                    yield chunk
-                return
-            done = False
-            async for data in _sse_data(response.aiter_lines()):
-                if data.strip() == "[DONE]":
-                    done = True
-                    break
-                yield self._chunk(data)
-            if not done:
-                message = "flightcache gateway: the upstream's stream ended before [DONE]"
-                raise UpstreamError(502, openai_error(message, status=502, code="cut"))
+            yield response
         except httpx.HTTPError as exc:
             raise self._failure(route, exc, started=True) from exc
-        except ValueError as exc:  # orjson.JSONDecodeError, or not a completion at all
-            message = "flightcache gateway: the upstream sent an answer that is not a completion"
-            raise UpstreamError(502, openai_error(message, status=502)) from exc
         finally:
             await response.aclose()
+
+    async def stream_chunks(
+        self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of one streamed completion, ``[DONE]`` included, or UpstreamError."""
+        sse = {**headers, "accept": "text/event-stream"}
+        async with self._post(route, path, body, sse) as response:
+            try:
+                if "text/event-stream" not in response.headers.get("content-type", ""):
+                    # An upstream that ignores stream: true; its whole answer becomes the chunks.
+                    answer = orjson.loads(await response.aread())
+                    for chunk in chunks_from_completion(answer):
+                        yield chunk
+                    return
+                done = False
+                async for data in _sse_data(response.aiter_lines()):
+                    if data.strip() == "[DONE]":
+                        done = True
+                        break
+                    yield self._chunk(data)
+                if not done:
+                    message = "flightcache gateway: the upstream's stream ended before [DONE]"
+                    raise UpstreamError(502, openai_error(message, status=502, code="cut"))
+            except ValueError as exc:  # orjson.JSONDecodeError, or not a completion at all
+                message = (
+                    "flightcache gateway: the upstream sent an answer that is not a completion"
+                )
+                raise UpstreamError(502, openai_error(message, status=502)) from exc
 
     def _chunk(self, data: str) -> dict[str, Any]:
         chunk = orjson.loads(data)
@@ -300,23 +312,12 @@ class Upstream:
         self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
     ) -> Any:
         """A non-streamed JSON answer (embeddings), or UpstreamError."""
-        request = self._request(path, body, {**headers, "accept": "application/json"})
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self._failure(route, exc, started=False) from exc
-        try:
-            self._on_call(route, str(response.status_code))
-            if response.status_code != 200:
-                raise await self._error_from(response)
-            return orjson.loads(await response.aread())
-        except httpx.HTTPError as exc:
-            raise self._failure(route, exc, started=True) from exc
-        except orjson.JSONDecodeError as exc:
-            message = "flightcache gateway: the upstream sent an answer that is not JSON"
-            raise UpstreamError(502, openai_error(message, status=502)) from exc
-        finally:
-            await response.aclose()
+        async with self._post(route, path, body, {**headers, "accept": "application/json"}) as r:
+            try:
+                return orjson.loads(await r.aread())
+            except orjson.JSONDecodeError as exc:
+                message = "flightcache gateway: the upstream sent an answer that is not JSON"
+                raise UpstreamError(502, openai_error(message, status=502)) from exc
 
     async def proxy(
         self,
