@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.cluster import RedisCluster
 
 from flightcache import FlightCache
 from flightcache._backends.embedded import EmbeddedCluster, cli_binary
+from flightcache._keys import KeySpace
 
+from .helpers.flights import wait_until
 from .helpers.procs import Fleet, markers, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -23,13 +26,16 @@ pytestmark = pytest.mark.timeout(90)
 async def test_a_stampede_on_a_cluster_runs_the_loader_once_per_key(
     cluster: EmbeddedCluster, namespace: str
 ) -> None:
+    """3 nodes x 30 keys (over every master's slots) x 5 callers: one loader run per key, and
+    for every key the two other nodes followed that run while it was under way."""
     caches = [FlightCache(cluster.url, namespace=namespace) for _ in range(3)]
     runs: dict[str, int] = {}
+    gate = asyncio.Event()
 
     def loader_for(key: str) -> Any:
         async def loader() -> str:
             runs[key] = runs.get(key, 0) + 1
-            await asyncio.sleep(0.2)
+            await gate.wait()  # held until every other node follows this flight
             return key.upper()
 
         return loader
@@ -37,12 +43,20 @@ async def test_a_stampede_on_a_cluster_runs_the_loader_once_per_key(
     try:
         keys = [f"key-{i}" for i in range(30)]  # spread over every master's slots
         calls = [fc.do(k, loader_for(k)) for fc in caches for k in keys for _ in range(5)]
-        results = await asyncio.gather(*calls)
+        gathered = asyncio.gather(*calls)
+        follows = lambda: sum(fc.stats["follows"] for fc in caches)  # noqa: E731
+        await wait_until(lambda: follows() >= 2 * len(keys), 30, "2 followers per key")
+        gate.set()
+        results = await gathered
         assert results == [k.upper() for _fc in caches for k in keys for _ in range(5)]
         assert runs == dict.fromkeys(keys, 1)
+        assert follows() == 2 * len(keys)  # each key: one owner, two nodes following it
+        assert sum(fc.stats["hits"] for fc in caches) == 0  # no node came late to a hit
+        assert all(fc.stats["coalesced"] == 4 * len(keys) for fc in caches)
         info = await caches[0].inspect("key-0")
         assert info.state == "cached"
     finally:
+        gate.set()
         for fc in caches:
             await fc.aclose()
 
@@ -80,22 +94,40 @@ async def _collect(stream: Any) -> list[Any]:
 def test_four_processes_on_a_cluster_run_the_loader_once(
     cluster: EmbeddedCluster, namespace: str, tmp_path: Path
 ) -> None:
+    """4 processes x 50 callers on a cluster: one loader run, and the other three processes
+    followed it while it ran (none came late to a stored result)."""
+    gate = tmp_path / "gate"
     cfg = {
         "url": cluster.url,
         "namespace": namespace,
         "key": "the-question",
         "markers": str(tmp_path),
         "callers": 50,
-        "loader_s": 0.5,
+        "loader_s": 0.2,
+        "gate": str(gate),
         "start_at": time.monotonic() + 2.0,
     }
-    with Fleet() as fleet:
-        workers = [fleet.start(f"w{i}", **cfg) for i in range(4)]
-        reports = [w.wait(30) for w in workers]
+    first = cluster.servers[0]
+    admin = RedisCluster(host=first.host, port=first.port)
+    waiters = KeySpace(namespace).flight("the-question").waiters
+    try:
+        with Fleet() as fleet:
+            workers = [fleet.start(f"w{i}", **cfg) for i in range(4)]
+            wait_for(lambda: admin.llen(waiters) == 3, 30, "three processes to follow", 0.02)
+            gate.touch()
+            reports = [w.wait(30) for w in workers]
+    finally:
+        admin.close()
     results = [r for rep in reports if rep for r in rep["results"]]
     assert len(results) == 200 and all("pid" in r for r in results), results[:3]
     assert len({r["pid"] for r in results}) == 1
     assert len(markers(tmp_path, "start")) == 1
+    stats = [rep["stats"] for rep in reports if rep]
+    assert len(stats) == 4
+    assert sorted(s["loader_runs"] for s in stats) == [0, 0, 0, 1]
+    for s in stats:
+        assert s["hits"] == 0, s
+        assert s["follows"] == (0 if s["loader_runs"] else 1), s
 
 
 def _master_of(cluster: EmbeddedCluster, key: str) -> Any:

@@ -25,6 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from flightcache import (
+    MISSING,
     BackendUnavailable,
     ConfigError,
     EmbeddedServer,
@@ -35,6 +36,7 @@ from flightcache import (
 )
 from flightcache._backends.embedded import free_port
 
+from .helpers.flights import wait_for_flight
 from .helpers.procs import SRC, wait_for
 
 STREAM_OWNER = Path(__file__).parent / "helpers" / "stream_owner.py"
@@ -94,10 +96,26 @@ async def test_stream_followers_that_take_over_late_never_mix_two_owners_chunks(
         tasks = []
         for i in range(len(caches)):  # join order = waiters rank
             tasks.append(asyncio.ensure_future(follow(i)))
-            await asyncio.sleep(0.02)
+            if i < len(caches) - 1:  # the last one kills the owner as soon as it has 2 chunks
+                await wait_for_flight(caches[0], "story", followers=i + 1)
         await asyncio.wait_for(asyncio.gather(*tasks), 15)
         mixed = [s for s in seen if "first-owner" in s and "second-owner" in s]
         assert not mixed, f"callers got chunks of two owners glued together: {seen}"
+        # The contract, for each caller: it had the first owner's chunks, so it ends with
+        # StreamRestarted (never a stream that just stops short), or it had none and got
+        # the second owner's whole stream.
+        whole = ["second-owner"] * 10
+        for s in seen:
+            firsts = s[:-1]
+            ok = s == whole or (firsts and set(firsts) == {"first-owner"} and s[-1] == "RESTARTED")
+            assert ok, f"a caller ended with neither the whole stream nor StreamRestarted: {seen}"
+        # The new owner's flight goes on for the cache after its readers left: its stream is
+        # what gets stored.
+        deadline = time.monotonic() + 10
+        while (stored := await caches[0].get("story")) is MISSING:
+            assert time.monotonic() < deadline, "the new owner's stream was never stored"
+            await asyncio.sleep(0.05)
+        assert [c["by"] for c in stored] == whole
     finally:
         owner.kill()
         owner.wait(10)
@@ -235,14 +253,16 @@ async def test_a_loader_error_whose_message_is_not_utf8_reaches_callers_and_foll
         return "second run"
 
     local = asyncio.ensure_future(owner.do("q", loader))
-    await asyncio.sleep(0.1)
+    await wait_for_flight(owner, "q")
     remote = asyncio.ensure_future(other.do("q", loader))
-    await asyncio.sleep(0.1)
+    await wait_for_flight(owner, "q", followers=1)
     gate.set()
     outcomes = await asyncio.wait_for(asyncio.gather(local, remote, return_exceptions=True), 8)
     assert isinstance(outcomes[0], FileNotFoundError), outcomes
     assert isinstance(outcomes[1], RemoteError), outcomes
+    assert outcomes[1].type_name == "FileNotFoundError"
     assert len(runs) == 1
+    assert other.stats["follows"] == 1 and other.stats["loader_runs"] == 0
 
 
 async def test_a_new_connection_to_a_frozen_server_fails_instead_of_hanging(
@@ -398,9 +418,11 @@ async def test_a_loader_that_raises_cancelled_error_is_not_reported_as_a_closed_
     async def loader() -> str:
         raise asyncio.CancelledError()
 
-    with pytest.raises(BaseException) as info:
+    with pytest.raises(FlightError, match="raised CancelledError itself") as info:
         await fc.do("k", loader)
     assert "closed" not in str(info.value)
+    assert type(info.value) is FlightError  # not a RemoteError, not a cancellation
+    assert not await fc.get("k")  # and not negative-cached
 
 
 @pytest.mark.parametrize("url", ["redis://:pw@127.0.0.1:99999/0", "redis://:pw@127.0.0.1:x/0"])
@@ -454,12 +476,13 @@ async def test_a_refresh_of_a_large_value_runs_the_loader_once(make_cache: Any) 
 
     await owner.set("k", "old")
     first = asyncio.ensure_future(owner.do("k", loader, refresh=True))
-    await asyncio.sleep(0.1)
+    await wait_for_flight(owner, "k")
     second = asyncio.ensure_future(follower.do("k", loader, refresh=True))
-    await asyncio.sleep(0.1)
+    await wait_for_flight(owner, "k", followers=1)
     gate.set()
     assert await first == await second == big
     assert len(runs) == 1
+    assert follower.stats["follows"] == 1 and follower.stats["loader_runs"] == 0
 
 
 async def test_a_second_invalidation_during_the_first_still_waits_for_holders(

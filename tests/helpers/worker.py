@@ -3,7 +3,8 @@
 argv[1] is a JSON config: url, namespace, key, callers, loader_s, lease, timeout, markers
 (a directory), start_at (a time.monotonic() instant, shared by all processes on Linux),
 hold (keep running after the report until stdin closes), clock_jump (patch time.time),
-gate (a file path: the loader, after loader_s, waits up to 60 s for it to exist).
+gate (a file path: the loader, after loader_s, waits up to 60 s for it to exist), blocking
+(the loader sleeps loader_s with time.sleep, blocking the event loop, and takes no gate).
 The loader drops marker files ``start-<pid>``, ``end-<pid>``, ``cancelled-<pid>``.
 Prints one JSON line: per-caller results, stats, node id.
 """
@@ -31,6 +32,10 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     async def loader() -> dict[str, Any]:
         touch(marks, "start")
+        if cfg.get("blocking"):  # a loader that blocks the event loop (synchronous work)
+            time.sleep(cfg["loader_s"])  # noqa: ASYNC251 (the point of this loader)
+            touch(marks, "end")
+            return {"pid": pid, "blob": "x" * cfg.get("value_bytes", 16)}
         try:
             steps = max(1, int(cfg["loader_s"] / 0.05))
             for _ in range(steps):
