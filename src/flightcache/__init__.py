@@ -18,11 +18,11 @@ from ._errors import (
     StreamRestarted,
     ValueTooLarge,
 )
-from ._leases.nodes import Invalidation, NodeInfo
+from ._leases.nodes import NodeInfo
 from ._protections.bloom import BloomFilter
 from ._protocol.flight import Tuning
 from ._protocol.streaming import FlightStream
-from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo
+from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo, Invalidation
 
 __version__ = "0.1.0"
 

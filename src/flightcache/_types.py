@@ -1,4 +1,5 @@
-"""Small shared types: sentinels, per-call options, the ``inspect`` record and counters."""
+"""Small shared types: sentinels, the lifecycle state, per-call options, the ``inspect`` and
+``invalidate`` records and counters."""
 
 from __future__ import annotations
 
@@ -24,11 +25,21 @@ MISSING: Final = _Sentinel.MISSING
 """What ``get`` returns when nothing is cached."""
 
 UNSET: Final = _Sentinel.UNSET
+"""Marks an argument that was not given, where ``None`` means something else."""
 
 NOT_FOUND: Final = _Sentinel.NOT_FOUND
 """A loader's answer that the thing does not exist: cached for ``not_found_ttl``, and what
 every caller of that key gets back (penetration protection: a missing key costs one load)."""
-"""Marks an argument that was not given, where ``None`` means something else."""
+
+
+class CacheState(enum.Enum):
+    """Where a cache is in its life (httpx's ``ClientState``): made but not yet connected,
+    connected (on first use, or ``async with``), or closed for good."""
+
+    UNOPENED = 1
+    OPENED = 2
+    CLOSED = 3
+
 
 Loader = Callable[[], Awaitable[Any]]
 
@@ -69,6 +80,21 @@ class FlightInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Invalidation:
+    """How an ``invalidate`` or ``set`` finished.
+
+    ``how`` is ``"acked"`` (every live node with a near cache acknowledged), ``"lease"`` (it
+    waited until the longest lease could have lapsed), or ``"absent"`` (nothing was stored,
+    so no node could hold a lease on it).
+    """
+
+    how: str
+    nodes: int  # live nodes whose acknowledgement it waited for
+    acked: int
+    waited_s: float
 
 
 @dataclass(slots=True)

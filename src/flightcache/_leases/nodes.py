@@ -18,9 +18,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -29,6 +29,7 @@ from redis import exceptions as rexc
 from .._backends.redis import RedisConnection, scripts
 from .._errors import FlightError
 from .._keys import FlightKeys, KeySpace
+from .._types import Invalidation
 from .near import NearCache
 
 LUA = scripts(__package__, "live_nodes", "renew_node", "replace_result", "end_replace")
@@ -36,6 +37,7 @@ LUA = scripts(__package__, "live_nodes", "renew_node", "replace_result", "end_re
 log = logging.getLogger("flightcache.nodes")
 
 ACK_TTL_MS = 60_000
+INVALIDATE_CONCURRENCY = 8  # invalidations of one invalidate_many() under way at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,21 +59,6 @@ class NodeInfo:
     def near_hit_rate(self) -> float | None:
         total = self.near_hits + self.near_misses
         return self.near_hits / total if total else None
-
-
-@dataclass(frozen=True, slots=True)
-class Invalidation:
-    """How an ``invalidate`` or ``set`` finished.
-
-    ``how`` is ``"acked"`` (every live node with a near cache acknowledged), ``"lease"`` (it
-    waited until the longest lease could have lapsed), or ``"absent"`` (nothing was stored,
-    so no node could hold a lease on it).
-    """
-
-    how: str
-    nodes: int  # live nodes whose acknowledgement it waited for
-    acked: int
-    waited_s: float
 
 
 async def live_nodes(
@@ -102,6 +89,30 @@ async def live_nodes(
             )
         )
     return nodes
+
+
+class Replacer(Protocol):
+    """What deletes or replaces a stored result so that no node serves the old one:
+    ``NodeAgent``, or on ``memory://``, where this process is the only node, the store."""
+
+    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation: ...
+
+
+async def invalidate_many(
+    replace: Callable[[FlightKeys, bytes | None, int], Awaitable[Invalidation]],
+    fks: Sequence[FlightKeys],
+) -> list[Invalidation]:
+    """Delete the stored result of every key with ``replace`` (a ``Replacer``'s, once the
+    cache is ready), concurrently, each as ``invalidate`` does."""
+    # Each waits on a blocking connection: at most a few at once, so a paused holder
+    # cannot take every connection this process's followers need.
+    gate = asyncio.Semaphore(INVALIDATE_CONCURRENCY)
+
+    async def one(fk: FlightKeys) -> Invalidation:
+        async with gate:
+            return await replace(fk, None, 0)
+
+    return list(await asyncio.gather(*(one(fk) for fk in fks)))
 
 
 class NodeAgent:
@@ -320,8 +331,8 @@ class NodeAgent:
 
     # -- invalidating --------------------------------------------------------------------
 
-    async def invalidate(self, fk: FlightKeys, value: bytes | None, ttl_ms: int) -> Invalidation:
-        """Delete (``value`` None) or replace the stored result, then make sure no node
+    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+        """Delete (``data`` None) or replace the stored result, then make sure no node
         keeps serving the old one: acknowledgements, or the longest lease lapsing."""
         started = self.clock()
         if self.near is not None:
@@ -337,11 +348,11 @@ class NodeAgent:
             LUA["replace_result"],
             fk,
             (fk.result, fk.marker, fk.meta, fk.cost),
-            (invalidation, max(1, int(wait_s * 1000)), value or b"", ttl_ms),
+            (invalidation, max(1, int(wait_s * 1000)), data or b"", ttl_ms),
         )
         # The leases to outwait started no later than now: the delete has happened.
         deadline = self.clock() + wait_s
-        if value is None and not int(existed):
+        if data is None and not int(existed):
             return Invalidation("absent", 0, 0, self.clock() - started)
         message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
         client = self.conn.client

@@ -36,25 +36,34 @@ import math
 import re
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .._backends.redis import scripts
-from .._errors import ConfigError, FlightError
+from .._backends.redis import RedisConnection, scripts
+from .._errors import BackendUnavailable, ConfigError, FlightError
 from .._keys import KeySpace, canonical
 
 LUA = scripts(__package__, "bloom_add", "bloom_check")
 
-if TYPE_CHECKING:
-    from .._cache import FlightCache
+__all__ = ["BloomFilter", "admitted", "bloom_keys", "bloom_size"]
 
-__all__ = ["BloomFilter", "bloom_keys", "bloom_size"]
+
+class Host(Protocol):
+    """All a filter uses of the ``FlightCache`` it lives in."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    async def _designated(self) -> RedisConnection | None:
+        """The designated server, once the cache is connected; None for ``memory://``."""
+        ...
+
 
 SCHEME = "bloom1"  # names the position scheme above; a filter of another scheme is refused
 MAX_BITS = 512 * 1024 * 1024 * 8  # the largest Redis string, 512 MB
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 # The bitmaps of memory:// caches.
-_local: weakref.WeakKeyDictionary[FlightCache, dict[str, tuple[str, bytearray]]] = (
+_local: weakref.WeakKeyDictionary[Host, dict[str, tuple[str, bytearray]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -92,7 +101,7 @@ class BloomFilter:
     and, at about ``error_rate`` while at most ``capacity`` keys were added, for others.
     """
 
-    def __init__(self, fc: FlightCache, name: str, capacity: int, error_rate: float) -> None:
+    def __init__(self, fc: Host, name: str, capacity: int, error_rate: float) -> None:
         _check_args(name, capacity, error_rate)
         self.name = name
         self.capacity = capacity
@@ -137,8 +146,7 @@ class BloomFilter:
 
     async def clear(self) -> None:
         """Drop the filter: every key reads as never added, and its parameters are free."""
-        await self._fc._ready()
-        conn = self._fc._conn
+        conn = await self._fc._designated()
         if conn is None:
             _local.get(self._fc, {}).pop(self.key, None)
             return
@@ -158,8 +166,7 @@ class BloomFilter:
     async def _run(self, script_name: str, offsets: list[int]) -> list[bool]:
         if not offsets:
             return []
-        await self._fc._ready()
-        conn = self._fc._conn
+        conn = await self._fc._designated()
         if conn is None:
             return self._run_local(script_name == "bloom_add", offsets)
         keys = [self.key, self.params_key]
@@ -216,3 +223,14 @@ class BloomFilter:
             f"BloomFilter({self.name!r}, capacity={self.capacity}, "
             f"error_rate={self.error_rate:g}, bits={self.bits}, hashes={self.hashes})"
         )
+
+
+async def admitted(bloom: BloomFilter, key: Any, *, fail_open: bool) -> bool:
+    """Whether ``do(..., admit=bloom)`` may load ``key``: the filter's answer, or, when the
+    server is out of reach and the cache fails open, yes (the loader decides)."""
+    try:
+        return await bloom.contains(key)
+    except BackendUnavailable:
+        if not fail_open:
+            raise
+        return True

@@ -1,5 +1,6 @@
 """Fail-open: when the server cannot be reached, answer from this process, and recover.
 
+``FailOpen`` stands in front of a server's flights and implements the same ``Flights``.
 While the server is down, calls skip it (a circuit breaker: one probe after a growing
 pause) and run as ``memory://`` would: local single-flight, a local cache with short TTLs,
 the near cache's leases. The outage is logged once when it starts and once when it ends,
@@ -15,7 +16,10 @@ from collections.abc import Callable
 
 from .._codec import Envelope
 from .._errors import BackendUnavailable
-from .._types import Stats
+from .._keys import FlightKeys
+from .._types import CallOptions, FlightInfo, Stats
+from .base import Flights
+from .jobs import Job
 from .memory import MemoryFlights
 
 log = logging.getLogger("flightcache.failopen")
@@ -25,8 +29,11 @@ LONGEST_PAUSE_S = 5.0
 
 
 class FailOpen:
+    """``server``'s flights, answered by this process while the server cannot be reached."""
+
     def __init__(
         self,
+        server: Flights,
         envelope: Envelope,
         stats: Stats,
         *,
@@ -35,6 +42,7 @@ class FailOpen:
         local_ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.server = server
         self.enabled = enabled
         self.stats = stats
         self.url = url
@@ -68,3 +76,50 @@ class FailOpen:
             self.down = False
             self._pause = FIRST_PAUSE_S
             log.warning("Redis at %s answers again: back to shared flights", self.url)
+
+    # -- Flights -------------------------------------------------------------------------
+
+    async def lookup(self, fk: FlightKeys) -> bytes | None:
+        return (await self._read(fk, full=False))[0]
+
+    async def lookup_full(self, fk: FlightKeys) -> tuple[bytes | None, int, bool, int]:
+        return await self._read(fk, full=True)
+
+    async def _read(self, fk: FlightKeys, *, full: bool) -> tuple[bytes | None, int, bool, int]:
+        """The server's answer; while it is down, this process's own, for which the server
+        vouches nothing (no time left to lease or to track)."""
+        if self.enabled and self.skip_server():
+            return await self.local.lookup(fk), 0, False, 0
+        try:
+            if full:
+                answer = await self.server.lookup_full(fk)
+            else:
+                answer = await self.server.lookup(fk), 0, False, 0
+        except BackendUnavailable as exc:
+            if not self.enabled:
+                raise
+            self.failed(exc)
+            return await self.local.lookup(fk), 0, False, 0
+        if self.down:
+            self.worked()
+        return answer
+
+    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+        """The flight through the server, or, while it is down, in this process."""
+        if not self.enabled:
+            return await self.server.resolve(fk, job, opts)
+        if not self.skip_server():
+            try:
+                result = await self.server.resolve(fk, job, opts)
+            except BackendUnavailable as exc:
+                self.failed(exc)
+            else:
+                self.worked()
+                return result
+        self.stats.fail_open += 1
+        result = await self.local.resolve(fk, job, opts)
+        job.lease = None  # this process's own answer: nothing the server could lease
+        return result
+
+    async def inspect(self, fk: FlightKeys) -> FlightInfo:
+        return await self.server.inspect(fk)  # never fails open: it asks about the server

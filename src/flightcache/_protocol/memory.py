@@ -15,8 +15,7 @@ from collections.abc import Callable
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._errors import FlightTimeout, SerializationError, ValueTooLarge
 from .._keys import FlightKeys
-from .._leases.nodes import Invalidation
-from .._types import CallOptions, FlightInfo, Stats
+from .._types import CallOptions, FlightInfo, Invalidation, Stats
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 
@@ -48,6 +47,12 @@ class MemoryFlights:
             del self._store[fk.digest]
             return None
         return data
+
+    async def lookup_full(self, fk: FlightKeys) -> tuple[bytes | None, int, bool, int]:
+        """The stored result and its time left; one process, so nothing to lease, and the
+        cost of a value is not kept."""
+        data = await self.lookup(fk)
+        return data, self.ttl_left_ms(fk) if data is not None else 0, False, 0
 
     def ttl_left_ms(self, fk: FlightKeys) -> int:
         item = self._store.get(fk.digest)
@@ -94,7 +99,7 @@ class MemoryFlights:
             job.lease = (stored_at, self.ttl_left_ms(fk))
         return data
 
-    def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
         """Delete (``data`` None) or replace a stored result; one process, nothing to wait for."""
         existed = self._store.pop(fk.digest, None) is not None
         if data is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .._cache import REDIS_SCHEMES
+from .._config import SCHEMES
 from .._errors import ConfigError
 from .._keys import check_namespace
 from ._requestkey import Policy
@@ -39,7 +39,7 @@ class GatewayConfig:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("the upstream must be an http:// or https:// URL with a host")
         url = self.redis_url
-        if url is not None and not url.startswith((*REDIS_SCHEMES, "embedded://", "memory://")):
+        if url is not None and not url.startswith(tuple(SCHEMES)):
             raise ConfigError("the Redis URL must start with redis://, rediss:// or unix://")
         check_namespace(self.namespace)
         for name in ("lease", "timeout", "upstream_timeout", "connect_timeout"):

@@ -1,0 +1,311 @@
+"""This process's side of every flight: one lookup and one flight per key at a time.
+
+Callers in one process that ask for the same key share one server round trip and one
+flight (local single-flight). The first caller looks the key up in its own task (a hit
+costs no task and no future); on a miss the flight runs in a task of its own, so that no
+caller's cancellation can stop it for the others, and every caller of the key waits on its
+slot's future. Refresh calls coalesce among themselves, under a table key of their own
+(``<digest>!``): a refresh must not ride on a plain call's lookup. ``stream`` does the same
+for streams, with one ``LocalStream`` per key.
+
+A read may be leased into the near cache (``Leases``: the ``Leaser`` of ``_leases/near.py``)
+and its expiry noted for refresh-ahead (``Expiries``: ``RefreshAhead`` of
+``_protections/ahead.py``); both are handed in, so this room imports neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+from .._codec import Envelope
+from .._errors import ConfigError, FlightError, SerializationError
+from .._keys import FlightKeys
+from .._types import CallOptions, Stats
+from .base import Flights
+from .jobs import Job, LoaderJob, Producer, StreamJob
+from .streaming import HIT, FlightStream, LocalStream
+
+log = logging.getLogger("flightcache.near")
+
+
+class Leases(Protocol):
+    """Grants near-cache leases on values read from the server."""
+
+    def heard(self) -> int:
+        """Invalidations heard so far: a read that saw it move is not leased."""
+        ...
+
+    def grant(
+        self, digest: str, data: bytes, sent: float, ttl_left_ms: int, heard: int
+    ) -> None: ...
+
+
+class Expiries(Protocol):
+    """Keeps the expiry and cost of values read, for refresh-ahead."""
+
+    running: set[str]  # the digests being refreshed now
+
+    def saw(self, digest: str, sent: float, ttl_left_ms: int, cost_ms: int | None) -> None: ...
+
+    def settled(self, digest: str) -> None:
+        """Another process refreshed the value already."""
+        ...
+
+
+def _retrieve(fut: asyncio.Future[bytes]) -> None:
+    """Mark a shared future's exception as seen: its callers may all have left."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _Slot:
+    """One key's entry in the local single-flight table.
+
+    The future the other local callers wait on is made only when a second caller arrives,
+    so an uncontended hit costs no future and no scheduled callback.
+    """
+
+    __slots__ = ("_future", "key")
+
+    def __init__(self, key: str) -> None:
+        self.key = key  # its key in the table: the digest, with "!" for refresh calls
+        self._future: asyncio.Future[bytes] | None = None
+
+    @property
+    def waited_on(self) -> bool:
+        return self._future is not None
+
+    def wait(self) -> asyncio.Future[bytes]:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            self._future.add_done_callback(_retrieve)
+        return self._future
+
+    def settle(self, outcome: bytes | BaseException) -> None:
+        fut = self._future
+        if fut is None or fut.done():
+            return  # nobody waits: every caller holding this slot called wait() at once
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+
+
+class LocalFlights:
+    """The single-flight tables of one cache, and the tasks that run its flights.
+
+    ``ready`` gives the cache's ``Flights`` once it is connected (or raises if closed);
+    ``leases`` is set when the cache connects with a near cache.
+    """
+
+    def __init__(
+        self,
+        stats: Stats,
+        envelope: Envelope,
+        ready: Callable[[], Awaitable[Flights]],
+        expiries: Expiries,
+    ) -> None:
+        self.stats = stats
+        self.envelope = envelope
+        self.ready = ready
+        self.expiries = expiries
+        self.leases: Leases | None = None
+        self.slots: dict[str, _Slot] = {}
+        self.streams: dict[str, LocalStream] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` in a task of its own, cancelled (and awaited) by :meth:`aclose`."""
+        task = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def aclose(self) -> None:
+        """Cancel every flight, stream and refresh of this process, and wait for them."""
+        self.closed = True
+        while self.tasks:  # a call that was mid-lookup may not start a flight any more
+            tasks = list(self.tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.tasks.difference_update(tasks)
+
+    # -- reads and flights ---------------------------------------------------------------
+
+    async def lookup(self, flights: Flights, fk: FlightKeys, track: bool = False) -> bytes | None:
+        """The stored result; with a near cache, also leased when it may be, and with
+        ``track``, its expiry noted for refresh-ahead."""
+        leases = self.leases
+        if leases is None and not track:
+            return await flights.lookup(fk)
+        heard = leases.heard() if leases is not None else 0
+        sent = time.monotonic()
+        data, ttl_left_ms, leasable, cost_ms = await flights.lookup_full(fk)
+        if data is not None and leasable and leases is not None:
+            leases.grant(fk.digest, data, sent, ttl_left_ms, heard)
+        if data is not None and track:
+            self.expiries.saw(fk.digest, sent, ttl_left_ms, cost_ms)
+        return data
+
+    def fly(
+        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions
+    ) -> Coroutine[Any, Any, bytes]:
+        """The flight of a value, to run: what the server leased with the result is kept.
+
+        Invalidations heard are counted now, before the flight's first read, so no lease is
+        granted on a value that an invalidation may have overtaken.
+        """
+        heard = self.leases.heard() if self.leases is not None else 0
+        return self._fly(flights, fk, job, opts, heard)
+
+    async def _fly(
+        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions, heard: int
+    ) -> bytes:
+        result = await flights.resolve(fk, job, opts)
+        if job.lease is not None:
+            sent, ttl_ms = job.lease
+            self.expiries.saw(fk.digest, sent, ttl_ms, job.cost_ms)
+            if self.leases is not None:
+                self.leases.grant(fk.digest, result, sent, ttl_ms, heard)
+        return result
+
+    def refresh(self, fk: FlightKeys, job: LoaderJob, opts: CallOptions) -> None:
+        """Recompute the value of ``fk`` in the background (refresh-ahead)."""
+        self.expiries.running.add(fk.digest)
+        self.stats.refreshes_ahead += 1
+        self.spawn(self._refresh(fk, job, opts))
+
+    async def _refresh(self, fk: FlightKeys, job: LoaderJob, opts: CallOptions) -> None:
+        try:
+            flights = await self.ready()
+            await self.fly(flights, fk, job, opts)
+            if job.lease is None:  # the join found the value refreshed by another process
+                self.expiries.settled(fk.digest)
+        except Exception as exc:  # the current value stays; a caller will try again
+            log.info("refresh-ahead of %s failed: %r", fk.digest, exc)
+        finally:
+            self.expiries.running.discard(fk.digest)
+
+    async def call(
+        self,
+        flights: Flights,
+        fk: FlightKeys,
+        *,
+        refresh: bool,
+        track: bool,
+        start: Callable[[], Coroutine[Any, Any, bytes]],
+    ) -> tuple[bytes, bool]:
+        """The result for ``fk``, and whether it is a hit of this caller's own lookup.
+
+        Joins the lookup or flight of this key already under way in this process, else
+        looks the key up (unless ``refresh``) and on a miss runs ``start()`` in a task.
+        """
+        table_key = fk.digest + "!" if refresh else fk.digest
+        slot = self.slots.get(table_key)
+        if slot is not None:  # local single-flight: this process already asks the server
+            self.stats.coalesced += 1
+            return await asyncio.shield(slot.wait()), False
+        slot = _Slot(table_key)
+        self.slots[table_key] = slot
+        # Hit path: one read in the caller's own task (no task, no future).
+        try:
+            data = None if refresh else await self.lookup(flights, fk, track)
+        except asyncio.CancelledError:
+            if slot.waited_on:  # others wait for this lookup: the flight goes on for them
+                self._start(slot, fk, start)
+            else:  # nobody else asked: no loader runs for nobody
+                self._settle(slot, asyncio.CancelledError())
+            raise
+        except BaseException as exc:
+            self._settle(slot, exc)
+            raise
+        if data is not None:
+            self._settle(slot, data)
+            return data, True
+        outcome = slot.wait()  # made before the flight can settle the slot
+        self._start(slot, fk, start)
+        return await asyncio.shield(outcome), False
+
+    def _start(
+        self, slot: _Slot, fk: FlightKeys, start: Callable[[], Coroutine[Any, Any, bytes]]
+    ) -> None:
+        """Run the flight in a task of its own, so no caller's cancellation can stop it."""
+        if self.closed:
+            self._settle(slot, FlightError("the FlightCache was closed", key=fk.digest))
+            return
+        task = asyncio.ensure_future(start())
+        self.tasks.add(task)
+
+        def finish(t: asyncio.Task[bytes]) -> None:
+            self.tasks.discard(t)
+            if t.cancelled():
+                self._settle(slot, FlightError("the FlightCache was closed", key=fk.digest))
+            elif (exc := t.exception()) is not None:
+                self._settle(slot, exc)
+            else:
+                self._settle(slot, t.result())
+
+        task.add_done_callback(finish)
+
+    def _settle(self, slot: _Slot, outcome: bytes | BaseException) -> None:
+        if self.slots.get(slot.key) is slot:
+            del self.slots[slot.key]
+        slot.settle(outcome)
+
+    # -- streams -------------------------------------------------------------------------
+
+    def stream(self, fk: FlightKeys, producer: Producer, opts: CallOptions) -> FlightStream:
+        """A subscription to the stream flight of ``fk``, shared by this process's callers."""
+        table_key = fk.digest + "!" if opts.refresh else fk.digest
+
+        def attach() -> tuple[LocalStream, bool]:
+            local = self.streams.get(table_key)
+            if local is not None:  # local single-flight for streams
+                self.stats.coalesced += 1
+                return local, True
+            local = LocalStream(fk.digest, table_key)
+            if self.closed:
+                local.fail(FlightError("this FlightCache is closed", key=fk.digest))
+                return local, False
+            self.streams[table_key] = local
+            self.spawn(self._run_stream(fk, producer, opts, local))
+            return local, False
+
+        return FlightStream(attach)
+
+    async def _run_stream(
+        self, fk: FlightKeys, producer: Producer, opts: CallOptions, local: LocalStream
+    ) -> None:
+        try:
+            flights = await self.ready()
+            data = None if opts.refresh else await self.lookup(flights, fk)
+            if data is not None:
+                self.stats.hits += 1
+                local.opened(HIT)
+                local.complete(self._stream_chunks(data, fk))
+                return
+            job = StreamJob(producer, self.envelope, fk.digest, local)
+            data = await flights.resolve(fk, job, opts)
+            local.opened(HIT)  # no-op unless the join itself found the result
+            local.complete(None if data == b"" else self._stream_chunks(data, fk))
+        except asyncio.CancelledError:
+            local.fail(FlightError("the FlightCache was closed", key=fk.digest))
+            raise
+        except BaseException as exc:
+            local.fail(exc)
+        finally:
+            if self.streams.get(local.table_key) is local:
+                del self.streams[local.table_key]
+
+    def _stream_chunks(self, data: bytes, fk: FlightKeys) -> list[Any]:
+        if not self.envelope.is_stream(data) and not self.envelope.is_error(data):
+            raise ConfigError("this key holds a value stored by do(), not a stream", key=fk.digest)
+        chunks = self.envelope.decode(data, key=fk.digest)  # an error record raises here
+        if not isinstance(chunks, list):
+            raise SerializationError("a stored stream is not a list of chunks", key=fk.digest)
+        return chunks
