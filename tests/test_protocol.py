@@ -44,9 +44,9 @@ async def test_a_write_with_a_stale_token_is_refused_and_writes_nothing(
     failed = await conn.script(LUA["fail_flight"], fk, keys, (6, "error", b"e{}", 1000, 1000))
     assert failed == 0
     renewed = await conn.script(
-        LUA["renew_lease"], fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
+        LUA["renew_leases"], fk, (fk.meta, fk.stream, fk.waiters), (6, 3000, 3000)
     )
-    assert renewed == 0
+    assert renewed == [0]
     assert await redis_client.pttl(fk.meta) == -1  # untouched: no expiry was set
     current = await conn.script(
         LUA["complete_flight"], fk, done_keys, (7, b"jcurrent", 60_000, "1", 1000, "", 5)

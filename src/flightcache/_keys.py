@@ -78,6 +78,7 @@ class KeySpace:
         self.nodes = f"{namespace}:nodes:{{{namespace}}}"
         self.node_info = f"{namespace}:nodeinfo:{{{namespace}}}"
         self.invalidations = f"{namespace}:invalidate"  # the pub/sub channel
+        self.wake_prefix = f"{namespace}:wake:"  # + node id: a node's wake channel
 
     def bloom(self, name: str) -> tuple[str, str]:
         """A Bloom filter's bitmap and parameter keys, under one hash tag of their own."""

@@ -18,6 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 from .._errors import BackendUnavailable, ConfigError, FlightError
 from .._keys import FlightKeys
 from .._types import Stats
+from .listener import Listener
 
 T = TypeVar("T")
 
@@ -136,6 +137,9 @@ class BoundedPool(aioredis.ConnectionPool):
         await super().disconnect(inuse_connections)
 
 
+INCLUDE = "-- include: "
+
+
 class Script:
     """A Lua script kept as a package file, ``<package>/lua/<name>.lua``; each connection
     registers it (EVALSHA, reloaded on NOSCRIPT) the first time it runs it."""
@@ -144,7 +148,13 @@ class Script:
 
     def __init__(self, package: str, name: str) -> None:
         self.name = name
-        self.text = files(package).joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+        folder = files(package).joinpath("lua")
+        lines = []
+        for line in folder.joinpath(f"{name}.lua").read_text(encoding="utf-8").splitlines():
+            if line.startswith(INCLUDE):  # code shared by several scripts, written once
+                line = folder.joinpath(line[len(INCLUDE) :].strip()).read_text(encoding="utf-8")
+            lines.append(line)
+        self.text = "\n".join(lines) + "\n"
 
     def __repr__(self) -> str:
         return f"Script({self.name!r})"
@@ -172,12 +182,21 @@ class RedisConnection:
         connect_timeout: float = 3.0,
         max_connections: int = 64,
         client_name: str | None = None,
+        listener_ping_s: float | None = None,
     ) -> None:
         self.url = url
         self.safe_url = safe_url(url)
         self.stats = stats
         self.socket_timeout = socket_timeout
         self.cluster: Any = None
+        # One pub/sub connection for everything this process waits to hear from the server.
+        self.listener = Listener(
+            self.listen_urls,
+            client_name=f"{client_name or 'flightcache'}:listen",
+            # Quiet for this long, it pings: a frozen server is noticed within about two
+            # socket timeouts even by followers, who send nothing while they wait.
+            ping_s=listener_ping_s or socket_timeout,
+        )
         if url.startswith(CLUSTER_SCHEME):
             self._init_cluster(url, socket_timeout, connect_timeout, max_connections, client_name)
             return
@@ -231,6 +250,7 @@ class RedisConnection:
     async def open(self) -> None:
         """Connect before the first command (a cluster client must learn its slots first:
         concurrent first commands on a fresh cluster client race in redis-py)."""
+        self.listener.start()
         if self.cluster is not None:
             await self.run(self.cluster.initialize)
 
@@ -303,7 +323,34 @@ class RedisConnection:
             f"a key of flight {fk.digest} holds a value of the wrong type", key=fk.digest
         )
 
+    async def pipeline_script(
+        self, lua: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+    ) -> list[Any]:
+        """One script, several calls (keys, args), in one pipeline: one round trip per
+        server (per node of a Cluster: redis-py's cluster pipeline groups by node)."""
+        script = self.scripts.get(lua.name)
+        if script is None:
+            script = self.scripts[lua.name] = self.client.register_script(lua.text)
+
+        async def send() -> list[Any]:
+            for attempt in range(2):
+                pipe: Any = self.client.pipeline(transaction=False)
+                for keys, args in calls:
+                    # (execute_command: redis-py refuses pipe.evalsha on a cluster, but routes
+                    # the command by its keys like any other)
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                try:
+                    return list(await pipe.execute())
+                except rexc.NoScriptError:
+                    if attempt:
+                        raise
+                    await self.client.script_load(lua.text)  # a cluster loads it on every node
+            raise AssertionError("unreachable")
+
+        return await self.run(send)
+
     async def aclose(self) -> None:
+        await self.listener.aclose()
         if self.cluster is not None:
             await self.cluster.aclose()
             return

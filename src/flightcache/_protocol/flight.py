@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from redis.crc import key_slot
+
 from .._backends.redis import RedisConnection, scripts
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._errors import (
@@ -29,15 +31,16 @@ from .._errors import (
 )
 from .._keys import FlightKeys, KeySpace
 from .._types import CallOptions, FlightInfo, Stats
-from .heartbeat import Heartbeat
+from .heartbeat import Lease, Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from .wakeup import Entry, Waiter, WakeHub, entry_key
 
 LUA = scripts(
     __package__,
     "join_flight",
     "confirm_claim",
-    "renew_lease",
+    "renew_leases",
     "append_chunks",
     "complete_flight",
     "fail_flight",
@@ -65,6 +68,8 @@ class Tuning:
     # How long a flight keeps retrying when the server stops answering mid-flight: long
     # enough for a cluster failover (Valkey/Redis cluster-node-timeout plus an election).
     failover_s: float = 10.0
+    renew_batch: int = 200  # flights per renew_leases script call
+    fetch_count: int = 1000  # stream entries per XRANGE when a follower re-reads its stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,31 +84,38 @@ class _State:
     since: bytes = b""  # the stream position of the flight this caller last took part in
     ended: bytes = b""  # ENDED: b"done" or b"error"
     count: int | None = None  # ENDED: a stream's chunk count
+    sent: float = 0.0  # when the join that answered this was sent (local monotonic clock)
+    ttl_left_ms: int = 0  # HIT: the result's time left
+    leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
+    cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
 
 
-def _state(reply: list[object], claim_id: str) -> _State:
-    kind = int(reply[0])  # type: ignore[call-overload]
-    if kind == CLAIMED:  # last_id: the claim's own stream entry
-        return _State(CLAIMED, claim_id=claim_id, last_id=reply[2])  # type: ignore[arg-type]
+def _state(reply: list[Any], claim_id: str, sent: float) -> _State:
+    kind = int(reply[0])
+    if kind == CLAIMED:  # last_id: the claim's own stream entry; token: '' until confirmed
+        token = int(reply[3]) if len(reply) > 3 and reply[3] else 0
+        return _State(CLAIMED, claim_id=claim_id, last_id=reply[2], token=token, sent=sent)
     if kind == HIT:
-        return _State(HIT, value=reply[1])  # type: ignore[arg-type]
+        return _State(
+            HIT,
+            value=reply[1],
+            ttl_left_ms=int(reply[2]),
+            leasable=not int(reply[3]),
+            cost_ms=int(reply[4]),
+            sent=sent,
+        )
     if kind == ENDED:
         ended, value, count = reply[1], reply[2], reply[3]
-        return _State(
-            ENDED,
-            ended=ended,  # type: ignore[arg-type]
-            value=value or None,  # type: ignore[arg-type]
-            count=int(count) if count else None,  # type: ignore[call-overload]
-        )
+        return _State(ENDED, ended=ended, value=value or None, count=int(count) if count else None)
     if kind == FOLLOW:
         return _State(
             FOLLOW,
-            token=int(reply[1]),  # type: ignore[call-overload]
-            lease_left_ms=max(int(reply[2]), 0),  # type: ignore[call-overload]
-            rank=int(reply[3]),  # type: ignore[call-overload]
-            last_id=reply[4],  # type: ignore[arg-type]
+            token=int(reply[1]),
+            lease_left_ms=max(int(reply[2]), 0),
+            rank=int(reply[3]),
+            last_id=reply[4],
         )
-    return _State(VACANT, rank=int(reply[1]))  # type: ignore[call-overload]
+    return _State(VACANT, rank=int(reply[1]))
 
 
 class _Lost(Exception):
@@ -132,6 +144,14 @@ class RedisFlights:
         self.node_id = node_id
         self.tuning = tuning or Tuning()
         self.clock = clock
+        # Where owner-seq lives on this very server, the join takes the token itself.
+        self.token_in_join = self.seq_conn is conn and conn.cluster is None
+        self.hub = WakeHub(conn.listener, keyspace.wake_prefix + node_id)
+        self.renewer = Renewer(self._renew_batch, clock)
+        self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
+
+    async def aclose(self) -> None:
+        await self.renewer.aclose()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -174,15 +194,44 @@ class RedisFlights:
 
     # -- the flight ----------------------------------------------------------------------
 
-    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+    def watch(self, fk: FlightKeys) -> Waiter:
+        """A waiter for the flight's wake-ups: made before the first join of a call, so no
+        event after the position that join returns can pass unheard."""
+        return self.hub.watch(fk.digest)
+
+    async def begin(self, fk: FlightKeys, opts: CallOptions, waiter: Waiter) -> _State:
+        """A call's first read: the join itself (hit, follow, claimed, or vacant)."""
+        return await self._join(fk, opts, "always", refresh=opts.refresh)
+
+    async def resolve(
+        self,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        first: _State | None = None,
+        waiter: Waiter | None = None,
+    ) -> bytes:
         """The stored result of the flight (value, stream or error record), or ``b""`` for a
-        stream whose every chunk this process already has."""
+        stream whose every chunk this process already has. ``first`` and ``waiter``: what
+        :meth:`begin` answered, when the caller made the first join itself."""
+        if waiter is None:
+            waiter = self.watch(fk)
+        try:
+            return await self._resolve(fk, job, opts, first, waiter)
+        finally:
+            self.hub.unwatch(waiter)
+
+    async def _resolve(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, first: _State | None, waiter: Waiter
+    ) -> bytes:
         deadline = self.clock() + opts.wait_bound_s
-        state: _State | None = await self._join(fk, opts, "always", refresh=opts.refresh)
-        assert state is not None
+        state: _State | None = first
+        if state is None:
+            state = await self._join(fk, opts, "always", refresh=opts.refresh)
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
+            self._lease_hit(job, state)
             return state.value
         self.stats.misses += 1
         takeover = False
@@ -203,11 +252,12 @@ class RedisFlights:
                     state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
                 if state.kind == HIT:
                     assert state.value is not None
+                    self._lease_hit(job, state)
                     return state.value
                 if state.kind == FOLLOW:
                     self.stats.follows += 1
                     job.on_follow(state.last_id)
-                    outcome = await self._follow(fk, job, state, opts, deadline)
+                    outcome = await self._follow(fk, job, state, opts, deadline, waiter)
                     if isinstance(outcome, bytes):
                         return outcome
                     state, takeover, since = outcome, True, outcome.since or since
@@ -230,7 +280,10 @@ class RedisFlights:
                     state = await self._join(fk, opts, "always", refresh=opts.refresh)
                     continue
                 since = state.last_id  # our own claim's entry
-                confirmed = await self._confirm(fk, opts, state.claim_id)
+                if state.token:  # the join took the token itself
+                    confirmed: tuple[int, float] | None = (state.token, state.sent)
+                else:
+                    confirmed = await self._confirm(fk, opts, state.claim_id)
                 if confirmed is None:  # the claim lapsed before its token arrived
                     state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
                     continue
@@ -254,6 +307,13 @@ class RedisFlights:
                 state = None
                 continue
             outage, backoff = None, 0.05
+
+    @staticmethod
+    def _lease_hit(job: Job, state: _State) -> None:
+        """A hit answered by a join: a near cache may lease it (no invalidation marks it)."""
+        if state.leasable:
+            job.lease = (state.sent, state.ttl_left_ms)
+            job.cost_ms = state.cost_ms or None
 
     def _ended(self, state: _State, job: Job) -> bytes | None:
         """What a caller gets from a flight that ended after its position, if usable."""
@@ -279,10 +339,17 @@ class RedisFlights:
         an end of its flight after it is reported (ENDED) rather than claimed over.
         """
         claim_id = secrets.token_hex(8)
+        keys = [fk.result, fk.meta, fk.waiters, fk.stream, fk.marker, fk.cost]
+        bits: int | str = ""
+        if self.token_in_join:
+            keys.append(self.keyspace.owner_seq)
+            bits = secrets.randbits(TOKEN_RANDOM_BITS)
+        prefix, limit = self._wake
+        sent = self.clock()
         reply = await self.conn.script(
             LUA["join_flight"],
             fk,
-            (fk.result, fk.meta, fk.waiters, fk.stream),
+            keys,
             (
                 self.node_id,
                 opts.lease_ms + self.tuning.stream_linger_ms,
@@ -295,9 +362,13 @@ class RedisFlights:
                 "1" if refresh else "0",
                 since,
                 opts.refresh_below_ms,
+                bits,
+                prefix,
+                fk.digest,
+                limit,
             ),
         )
-        return _state(reply, claim_id)
+        return _state(reply, claim_id, sent)
 
     async def _confirm(
         self, fk: FlightKeys, opts: CallOptions, claim_id: str
@@ -329,6 +400,36 @@ class RedisFlights:
         finally:
             self.stats.owning -= 1
 
+    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
+        """One pipeline renewing every lease given: on one server, scripts of up to
+        ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
+        slots), which redis-py's cluster pipeline sends one round trip per node."""
+        groups: dict[int, list[Lease]] = {}
+        if self.conn.cluster is not None:
+            for lease in leases:
+                groups.setdefault(key_slot(lease.args[0].meta.encode()), []).append(lease)
+            batches = list(groups.values())
+        else:
+            size = self.tuning.renew_batch
+            batches = [list(leases[i : i + size]) for i in range(0, len(leases), size)]
+        script = LUA["renew_leases"]
+        calls = []
+        for batch in batches:
+            keys: list[str] = []
+            args: list[Any] = []
+            for lease in batch:
+                fk, token, lease_ms, stream_ttl = lease.args
+                keys += (fk.meta, fk.stream, fk.waiters)
+                args += (token, lease_ms, stream_ttl)
+            calls.append((keys, args))
+        replies = await self.conn.pipeline_script(script, calls)
+        answers = {
+            id(lease): bool(int(ok))
+            for batch, reply in zip(batches, replies, strict=True)
+            for lease, ok in zip(batch, reply, strict=True)
+        }
+        return [answers[id(lease)] for lease in leases]
+
     async def _run_owned(
         self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
     ) -> bytes:
@@ -336,38 +437,31 @@ class RedisFlights:
         ran_from = self.clock()
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
         chunks = [0]
+        prefix, limit = self._wake
 
         async def append(first_seq: int, batch: Sequence[bytes]) -> None:
             written = await self.conn.script(
-                LUA["append_chunks"], fk, (fk.meta, fk.stream), (token, first_seq, *batch)
+                LUA["append_chunks"],
+                fk,
+                (fk.meta, fk.stream, fk.waiters),
+                (token, first_seq, prefix, fk.digest, limit, *batch),
             )
             if int(written) != 1:
                 self._fenced(fk, token)
             chunks[0] = first_seq + len(batch)
 
         work = asyncio.ensure_future(job.run(append))
-
-        async def renew() -> bool:
-            reply = await self.conn.script(
-                LUA["renew_lease"],
-                fk,
-                (fk.meta, fk.stream, fk.waiters),
-                (token, opts.lease_ms, stream_ttl),
-            )
-            return int(reply) == 1
-
-        heartbeat = Heartbeat(
-            renew,
+        heartbeat = self.renewer.add(
             work,
             lease_s=opts.lease_ms / 1000,
             digest=fk.digest,
             granted_at=granted_at,
-            clock=self.clock,
-        ).start()
+            args=(fk, token, opts.lease_ms, stream_ttl),
+        )
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
         except WorkCancelled:
-            await heartbeat.stop()
+            self.renewer.remove(heartbeat)
             if heartbeat.lost:
                 self.stats.lease_lost += 1
                 raise _Lost() from None
@@ -375,28 +469,28 @@ class RedisFlights:
             await self._publish_error(fk, token, error, ttl_ms=0)
             raise error from None
         except asyncio.CancelledError:
-            await heartbeat.stop()
+            self.renewer.remove(heartbeat)
             await self._give_back(fk, token)  # we are being closed: let a follower claim now
             raise
         except _Lost:
-            await heartbeat.stop()  # a fenced append: another owner holds the flight
+            self.renewer.remove(heartbeat)  # a fenced append: another owner holds the flight
             raise
         except FlightTimeout as exc:
-            await heartbeat.stop()
+            self.renewer.remove(heartbeat)
             self.stats.timeouts += 1
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except (ValueTooLarge, SerializationError) as exc:
-            await heartbeat.stop()
+            self.renewer.remove(heartbeat)
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except Exception as exc:
-            await heartbeat.stop()
+            self.renewer.remove(heartbeat)
             self.stats.loader_errors += 1
             ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
             await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
             raise
-        await heartbeat.stop()
+        self.renewer.remove(heartbeat)
         if heartbeat.lost:  # the loader finished as the lease was found lost
             self.stats.lease_lost += 1
             raise _Lost()
@@ -418,6 +512,9 @@ class RedisFlights:
                     self.tuning.stream_linger_ms,
                     count,
                     int((sent - ran_from) * 1000),  # the loader's cost, for refresh-ahead
+                    prefix,
+                    fk.digest,
+                    limit,
                 ),
             )
         )
@@ -439,6 +536,12 @@ class RedisFlights:
         )
         raise _Lost()
 
+    def _fail_args(
+        self, fk: FlightKeys, token: int, kind: str, record: bytes | str, ttl_ms: int
+    ) -> tuple[Any, ...]:
+        prefix, limit = self._wake
+        return (token, kind, record, ttl_ms, self.tuning.stream_linger_ms, prefix, fk.digest, limit)
+
     async def _publish_error(
         self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int
     ) -> None:
@@ -447,13 +550,7 @@ class RedisFlights:
             LUA["fail_flight"],
             fk,
             (fk.result, fk.meta, fk.stream, fk.waiters),
-            (
-                token,
-                "error",
-                record,
-                ttl_ms,
-                self.tuning.stream_linger_ms,
-            ),
+            self._fail_args(fk, token, "error", record, ttl_ms),
         )
         if int(written) != 1:
             self._fenced(fk, token)
@@ -466,7 +563,7 @@ class RedisFlights:
                     LUA["fail_flight"],
                     fk,
                     (fk.result, fk.meta, fk.stream, fk.waiters),
-                    (token, "reset", "", 0, self.tuning.stream_linger_ms),
+                    self._fail_args(fk, token, "reset", "", 0),
                 ),
                 self.tuning.reset_timeout_s,
             )
@@ -477,32 +574,72 @@ class RedisFlights:
 
     # -- follower ------------------------------------------------------------------------
 
-    async def _follow(
-        self, fk: FlightKeys, job: Job, state: _State, opts: CallOptions, deadline: float
-    ) -> bytes | _State:
-        """Block on the flight's stream until it ends; a _State when the flight fell vacant.
-
-        Reading starts at the position the join saw, so every event read is about this
-        flight: only writes under the then-current token reach the stream (the scripts are
-        fenced), so no token needs checking here.
-        """
-        lease_left = state.lease_left_ms
-        last_id = state.last_id  # every event that can end this flight comes after it
-        client = self.conn.blocking
-        cap_ms = max(int((self.conn.socket_timeout - 0.5) * 1000), 100)
+    async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
+        """The flight's stream after ``cursor``: what a follower missed (one short command
+        per ``fetch_count`` entries)."""
+        client = self.conn.client
+        entries: list[Entry] = []
         while True:
-            remaining_ms = int((deadline - self.clock()) * 1000)
-            if remaining_ms <= 0:
+            batch: Any = await self.conn.run(
+                functools.partial(
+                    client.xrange, fk.stream, b"(" + cursor, b"+", count=self.tuning.fetch_count
+                ),
+                fk,
+            )
+            entries += batch
+            if len(batch) < self.tuning.fetch_count:
+                return entries
+            cursor = batch[-1][0]
+
+    async def _news(self, fk: FlightKeys, waiter: Waiter, cursor: bytes) -> list[Entry]:
+        """The entries after ``cursor`` that the waiter's messages tell of, in order; the
+        stream itself is read when a message is out of step or one may have been lost."""
+        gap, messages = waiter.take()
+        if gap:
+            return await self._read_after(fk, cursor)
+        at = entry_key(cursor)
+        news: list[Entry] = []
+        for prev, entries in messages:
+            if entries and entry_key(entries[-1][0]) <= at:
+                continue  # nothing after the cursor
+            if not entries or entry_key(prev) > at:
+                # A bare hint, or an entry between the cursor and `prev` never arrived.
+                return await self._read_after(fk, cursor)
+            for entry in entries:
+                if entry_key(entry[0]) > at:
+                    news.append(entry)
+            at = entry_key(entries[-1][0])
+            cursor = entries[-1][0]
+        return news
+
+    async def _follow(
+        self,
+        fk: FlightKeys,
+        job: Job,
+        state: _State,
+        opts: CallOptions,
+        deadline: float,
+        waiter: Waiter,
+    ) -> bytes | _State:
+        """Wait for the flight's events until it ends; a _State when the flight fell vacant.
+
+        Events arrive on the wake channel (or, after a gap, from a read of the stream), and
+        only those after the position the join saw are applied, so every event is about
+        this flight: only writes under the then-current token reach the stream (the scripts
+        are fenced), so no token needs checking here. No connection is held while waiting.
+        """
+        margin_s = self.tuning.block_margin_ms / 1000
+        recheck_at = self.clock() + state.lease_left_ms / 1000 + margin_s
+        last_id = state.last_id  # every event that can end this flight comes after it
+        while True:
+            sent = self.clock()
+            if sent >= deadline:
                 raise FlightTimeout(
                     f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
                 )
-            block = max(1, min(lease_left + self.tuning.block_margin_ms, cap_ms, remaining_ms))
-            sent = self.clock()
-            reply: Any = await self.conn.run(
-                functools.partial(client.xread, {fk.stream: last_id}, count=100, block=block), fk
-            )
-            if reply:
-                for entry_id, fields in reply[0][1]:
+            if await waiter.wait(max(min(recheck_at, deadline) - sent, 0.001)):
+                news = await self._news(fk, waiter, last_id)
+                for entry_id, fields in news:
                     last_id = entry_id
                     kind = fields.get(b"t")
                     if kind == b"claimed":  # past our position: the owner we followed died
@@ -533,12 +670,15 @@ class RedisFlights:
                             fk, opts, "first", refresh=opts.refresh, since=entry_id
                         )
                         return replace(now, since=entry_id)
-                lease_left = opts.lease_ms
+                if news:  # the owner is alive: a whole lease before the next re-check
+                    recheck_at = self.clock() + opts.lease_ms / 1000 + margin_s
                 continue
-            # The block ran out with no event: is the owner still alive?
+            if self.clock() >= deadline:
+                continue  # the wait bound, not the lease, ran out
+            # The wait ran out with no event: is the owner still alive?
             now = await self._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
             if now.kind != FOLLOW:
                 return replace(now, since=last_id)
             job.on_follow(now.last_id)
             last_id = now.last_id
-            lease_left = now.lease_left_ms
+            recheck_at = self.clock() + now.lease_left_ms / 1000 + margin_s

@@ -1,14 +1,20 @@
 -- append_chunks: the owner of a stream flight publishes chunks, fenced by its token.
--- KEYS[1] meta   KEYS[2] stream
--- ARGV[1] token   ARGV[2] sequence number of the first chunk   ARGV[3...] encoded chunks
+-- KEYS[1] meta   KEYS[2] stream   KEYS[3] waiters
+-- ARGV[1] token   ARGV[2] sequence number of the first chunk
+-- ARGV[3] wake channel prefix   ARGV[4] digest   ARGV[5] wake message limit (bytes)
+-- ARGV[6...] encoded chunks
 -- Each chunk becomes one event {t=chunk, tok, s, v}, in order.
 -- Returns 1 appended, 0 fenced: the token is not the current owner's, nothing was written
+-- include: _wake.lua
 if redis.call('HGET', KEYS[1], 'ownerToken') ~= ARGV[1] then
   return 0
 end
+local w = wake_start(KEYS[3], KEYS[2])
 local seq = tonumber(ARGV[2])
-for i = 3, #ARGV do
-  redis.call('XADD', KEYS[2], '*', 't', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i])
+for i = 6, #ARGV do
+  local event = {'t', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i]}
+  wake_add(w, redis.call('XADD', KEYS[2], '*', unpack(event)), event)
   seq = seq + 1
 end
+wake_send(w, ARGV[3], ARGV[4], ARGV[5])
 return 1

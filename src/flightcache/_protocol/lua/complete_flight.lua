@@ -9,10 +9,12 @@
 -- ARGV[6] chunk count of a stream flight ('' for a value), carried in the done event so a
 --         follower knows it saw every chunk
 -- ARGV[7] how long the loader ran, ms (kept beside the result for refresh-ahead)
+-- ARGV[8] wake channel prefix   ARGV[9] digest   ARGV[10] wake message limit (bytes)
 -- The done event carries `x` (the result's TTL ms) and `c` (ARGV[7]), or `nc` = 1 when
 -- the result was not stored.
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
 -- the token is not the current owner's, nothing was written
+-- include: _wake.lua
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
 end
@@ -37,8 +39,10 @@ if ARGV[6] ~= '' then
   table.insert(event, 'n')
   table.insert(event, ARGV[6])
 end
-redis.call('XADD', KEYS[3], '*', unpack(event))
+local w = wake_start(KEYS[4], KEYS[3])
+wake_add(w, redis.call('XADD', KEYS[3], '*', unpack(event)), event)
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
+wake_send(w, ARGV[8], ARGV[9], ARGV[10])
 redis.call('DEL', KEYS[2], KEYS[4])
 if stored then
   return 1

@@ -3,7 +3,9 @@
 -- ARGV[1] token   ARGV[2] event type: 'error' (followers raise) or 'reset' (followers
 --         may claim at once)   ARGV[3] encoded error record ('' for reset)
 -- ARGV[4] negative-cache TTL ms (0: cache nothing; never over a stored value)   ARGV[5] stream linger ms
+-- ARGV[6] wake channel prefix   ARGV[7] digest   ARGV[8] wake message limit (bytes)
 -- Returns 1 published, 0 fenced: the token is not the current owner's, nothing was written
+-- include: _wake.lua
 if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
   return 0
 end
@@ -11,7 +13,10 @@ if tonumber(ARGV[4]) > 0 then
   -- NX: an error never replaces a stored value (a failed refresh leaves the old one)
   redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4], 'NX')
 end
-redis.call('XADD', KEYS[3], '*', 't', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3])
+local w = wake_start(KEYS[4], KEYS[3])
+local event = {'t', ARGV[2], 'tok', ARGV[1], 'v', ARGV[3]}
+wake_add(w, redis.call('XADD', KEYS[3], '*', unpack(event)), event)
+wake_send(w, ARGV[6], ARGV[7], ARGV[8])
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 redis.call('DEL', KEYS[2])
 if ARGV[2] == 'error' then

@@ -1,6 +1,8 @@
 -- join_flight: one round trip that says what a caller of a flight should do, and claims the
--- flight for the caller when it is vacant (pending confirm_claim with a fencing token).
--- KEYS[1] result   KEYS[2] meta   KEYS[3] waiters   KEYS[4] stream
+-- flight for the caller when it is vacant: with a fencing token at once when owner-seq is
+-- on this server (KEYS[7] given), else pending confirm_claim.
+-- KEYS[1] result   KEYS[2] meta   KEYS[3] waiters   KEYS[4] stream   KEYS[5] invalidation
+-- marker   KEYS[6] cost   KEYS[7] owner-seq (only where it lives on this server)
 -- ARGV[1] node id of the caller   ARGV[2] waiters TTL ms
 -- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
 --         the waiters queue (after an owner's death, so the first-joined goes first)
@@ -12,33 +14,44 @@
 --         after it (an error or done whose result is not stored), say so instead of claiming
 -- ARGV[11] with refresh, a refresh-ahead: ignore the stored result only while it has at
 --         most this many ms left ('0': always); one with more was refreshed already
--- Returns {1, value}                        hit: the stored value (or error record)
+-- ARGV[12] with KEYS[7]: 20 random bits, the token's low bits
+-- ARGV[13] wake channel prefix   ARGV[14] digest   ARGV[15] wake message limit (bytes)
+-- Returns {1, value, ttl_left_ms, marked, cost_ms}
+--                                           hit: the stored value (or error record), its
+--                                           PTTL, 1 while an invalidation marks it (serve,
+--                                           do not lease), the loader's cost (0: unknown)
 --         {2, token, lease_left_ms, rank, from_id}
 --                                           follow: a flight is live; token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
 --                                           waiters at 0-based position `rank`; `from_id` is
 --                                           this flight's `claimed` event: every chunk and
 --                                           the end of the flight come after it
---         {3, attempts, entry}              claimed: meta is CLAIMING under the claim id, and
---                                           a `claimed` event is on the stream, the first
---                                           entry left on it (earlier flights are trimmed),
---                                           whose id is `entry`
+--         {3, attempts, entry, token}       claimed: with KEYS[7], meta is RUNNING under the
+--                                           new token; without, token is '' and meta is
+--                                           CLAIMING under the claim id. A `claimed` event is
+--                                           on the stream, the first entry left on it
+--                                           (earlier flights are trimmed), whose id is `entry`
 --         {0, rank}                         vacant and not claimed: not first in the queue
 --         {4, type, v, n}                   ended: the newest event after ARGV[10] is a
 --                                           `done` or `error` (v, n: its fields, or '')
+-- include: _wake.lua
 if ARGV[9] ~= '1' or (tonumber(ARGV[11]) or 0) > 0 then
   local value = redis.call('GET', KEYS[1])
-  if value and (ARGV[9] ~= '1' or redis.call('PTTL', KEYS[1]) > tonumber(ARGV[11])) then
-    return {1, value}
+  if value then
+    local ttl = redis.call('PTTL', KEYS[1])
+    if ARGV[9] ~= '1' or ttl > tonumber(ARGV[11]) then
+      local cost = tonumber(redis.call('GET', KEYS[6]) or '0') or 0
+      return {1, value, ttl, redis.call('EXISTS', KEYS[5]), cost}
+    end
   end
 end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local token = redis.call('HGET', KEYS[2], 'ownerToken') or '0'
-  if token == '0' and redis.call('HGET', KEYS[2], 'claimId') == ARGV[4] then
+  if redis.call('HGET', KEYS[2], 'claimId') == ARGV[4] then
     -- this very call, sent again after a lost reply (a driver retry): it is the claimer
-    local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry')
-    return {3, tonumber(claim[1]), claim[2]}
+    local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry', 'ownerToken')
+    return {3, tonumber(claim[1]), claim[2], claim[3] or ''}
   end
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
@@ -80,14 +93,33 @@ if first[1] and newest[1] then
 end
 local now = redis.call('TIME')
 local started = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('HSET', KEYS[2], 'status', 'CLAIMING', 'claimId', ARGV[4], 'ownerNode', ARGV[1],
+local token = ''
+local status = 'CLAIMING'
+if KEYS[7] then
+  -- counter * 2^20 + bits, in decimal, exact past 2^53 (Lua numbers are doubles): split the
+  -- counter at 10^7 so every partial product stays exact.
+  local counter = redis.call('INCR', KEYS[7])
+  local high, low = math.floor(counter / 1e7), counter % 1e7
+  local tail = low * 1048576 + tonumber(ARGV[12])
+  local head = high * 1048576 + math.floor(tail / 1e7)
+  tail = tail % 1e7
+  token = head > 0 and string.format('%.0f%07d', head, tail) or string.format('%d', tail)
+  status = 'RUNNING'
+end
+redis.call('LREM', KEYS[3], 0, ARGV[1])
+local w = wake_start(KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[2], 'status', status, 'claimId', ARGV[4], 'ownerNode', ARGV[1],
   'leaseMs', ARGV[5], 'timeoutMs', ARGV[6], 'startedAt', started, 'attempts', attempts,
   'key', ARGV[7])
-local entry = redis.call('XADD', KEYS[4], '*',
-  't', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4])
+if token ~= '' then
+  redis.call('HSET', KEYS[2], 'ownerToken', token)
+end
+local fields = {'t', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4]}
+local entry = redis.call('XADD', KEYS[4], '*', unpack(fields))
+wake_add(w, entry, fields)
 redis.call('XTRIM', KEYS[4], 'MINID', entry)
 redis.call('PEXPIRE', KEYS[4], ARGV[8])
 redis.call('HSET', KEYS[2], 'claimEntry', entry)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('LREM', KEYS[3], 0, ARGV[1])
-return {3, attempts, entry}
+wake_send(w, ARGV[13], ARGV[14], ARGV[15])
+return {3, attempts, entry, token}

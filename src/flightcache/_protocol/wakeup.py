@@ -1,0 +1,138 @@
+"""The wake channel: followers of any number of flights wait on one subscription per server.
+
+The scripts that append to a flight's stream publish what they appended to every node
+queued in the flight's waiters list (``_protocol/lua/_wake.lua``). The :class:`WakeHub` of a
+process hears its node's channel and hands each message to the :class:`Waiter` of its
+digest; a follower waits on its waiter with no connection held. docs/protocol.md ("The
+wake channel") gives the argument why no wake-up is lost: in short, a waiter exists before
+its join is sent, a message out of step or a reconnect makes the follower re-read its
+stream from its cursor, and an owner that publishes nothing is found by the lease-bounded
+re-check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+from .._backends.listener import Listener
+
+log = logging.getLogger("flightcache.follow")
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+def parse_message(data: bytes) -> tuple[str, bytes, list[Entry]]:
+    """``digest, prev, entries`` of one wake message (netstrings; see ``_wake.lua``)."""
+    items = list(_netstrings(data))
+    digest, prev = items[0].decode(), items[1]
+    entries: list[Entry] = []
+    i = 2
+    while i < len(items):
+        entry_id, count = items[i], int(items[i + 1])
+        flat = items[i + 2 : i + 2 + count]
+        entries.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+        i += 2 + count
+    return digest, prev, entries
+
+
+def _netstrings(data: bytes) -> Iterator[bytes]:
+    pos, end = 0, len(data)
+    while pos < end:
+        colon = data.index(b":", pos)
+        size = int(data[pos:colon])
+        yield data[colon + 1 : colon + 1 + size]
+        pos = colon + 1 + size
+
+
+def entry_key(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id as a comparable pair (``ms-seq``)."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+class Waiter:
+    """One follower's mailbox for one digest: messages in arrival order, and whether the
+    follower must re-read its stream (a message may have been missed)."""
+
+    __slots__ = ("_event", "digest", "gap", "messages")
+
+    def __init__(self, digest: str, gap: bool) -> None:
+        self.digest = digest
+        self.messages: list[tuple[bytes, list[Entry]]] = []
+        self.gap = gap
+        self._event = asyncio.Event()
+        if gap:
+            self._event.set()
+
+    def push(self, prev: bytes, entries: list[Entry]) -> None:
+        self.messages.append((prev, entries))
+        self._event.set()
+
+    def lost(self) -> None:
+        self.gap = True
+        self._event.set()
+
+    @property
+    def pending(self) -> bool:
+        return self.gap or bool(self.messages)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until there is news, or ``timeout_s`` passed (then False)."""
+        if self.pending:
+            return True
+        self._event.clear()
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return self.pending
+        return True
+
+    def take(self) -> tuple[bool, list[tuple[bytes, list[Entry]]]]:
+        gap, messages = self.gap, self.messages
+        self.gap, self.messages = False, []
+        self._event.clear()
+        return gap, messages
+
+
+class WakeHub:
+    """This node's wake channel on one server, and the waiters of this process on it."""
+
+    def __init__(self, listener: Listener, channel: str) -> None:
+        self.listener = listener
+        self.channel = channel
+        self._waiters: dict[str, list[Waiter]] = {}
+        self.heard = 0
+        listener.add(channel, self._on_message, self._on_gap)
+
+    def watch(self, digest: str) -> Waiter:
+        """A waiter for ``digest``; made before the join whose events it must not miss."""
+        waiter = Waiter(digest, gap=not self.listener.subscribed)
+        self._waiters.setdefault(digest, []).append(waiter)
+        return waiter
+
+    def unwatch(self, waiter: Waiter) -> None:
+        waiters = self._waiters.get(waiter.digest)
+        if waiters is not None:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiters[waiter.digest]
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._waiters.values())
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            digest, prev, entries = parse_message(data)
+        except (ValueError, IndexError, UnicodeDecodeError):
+            log.warning("wake channel %s: malformed message ignored", self.channel)
+            return
+        self.heard += 1
+        for waiter in self._waiters.get(digest, ()):
+            waiter.push(prev, entries)
+
+    def _on_gap(self) -> None:
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.lost()
