@@ -54,7 +54,11 @@ class Worker:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
-            raise AssertionError(f"worker {self.name} gave no report: {line!r}")
+            err = ""
+            if not line and self.proc.stderr is not None:  # it ended: say why
+                self.proc.wait(10)
+                err = self.proc.stderr.read()[-3000:]
+            raise AssertionError(f"worker {self.name} gave no report: {line!r}\n{err}")
         self.report = json.loads(line)
         return self.report
 

@@ -1,10 +1,11 @@
 """One worker process of a multi-process test.
 
 argv[1] is a JSON config: url, namespace, key, callers, loader_s, lease, timeout, markers
-(a directory), start_at (a time.monotonic() instant, shared by all processes on Linux),
-hold (keep running after the report until stdin closes), clock_jump (patch time.time),
-gate (a file path: the loader, after loader_s, waits up to 60 s for it to exist), blocking
-(the loader sleeps loader_s with time.sleep, blocking the event loop, and takes no gate).
+(a directory), near_cache, near_lease, node_ttl, value_bytes, ttl, start_at (a
+time.monotonic() instant, shared by all processes on Linux), hold (keep running after the
+report until stdin closes), clock_jump (patch time.time), gate (a file path: the loader,
+after loader_s, waits up to 60 s for it to exist), blocking (the loader sleeps loader_s
+with time.sleep, blocking the event loop, and takes no gate).
 The loader drops marker files ``start-<pid>``, ``end-<pid>``, ``cancelled-<pid>``.
 Prints one JSON line: per-caller results, stats, node id.
 """
@@ -57,6 +58,7 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         lease=cfg.get("lease", 1.0),
         timeout=cfg.get("timeout", 30.0),
         near_cache=cfg.get("near_cache", True),
+        near_lease=cfg.get("near_lease", 5.0),
         node_ttl=cfg.get("node_ttl", 6.0),
     )
     await fc.get("warm-up")  # connect before the burst, so it is not part of the timing
