@@ -25,12 +25,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from flightcache import (
+    MISSING,
     BackendUnavailable,
     BloomFilter,
+    ConfigError,
     EmbeddedServer,
     FlightCache,
     FlightTimeout,
     RemoteError,
+    SerializationError,
     StreamRestarted,
 )
 from flightcache._backends.embedded import free_port, server_binary
@@ -192,6 +195,51 @@ def test_a_loader_that_blocks_the_event_loop_loses_its_lease_and_its_result_is_f
     assert (tmp_path / f"end-{blocked.pid}").exists()  # it did finish: its result was refused
     value_now = asyncio.run(_get(server.url, namespace, "blocking"))
     assert value_now == value
+
+
+@pytest.mark.timeout(60)
+async def test_a_partitioned_owner_cannot_write_after_losing_its_lease(
+    server: EmbeddedServer, namespace: str
+) -> None:
+    """The owner is cut off from the server (a partition) while its loader runs. After its
+    lease a follower takes over and stores its value; when the partition heals, the cut-off
+    owner has not written (it could not prove its lease, so it stopped), writes nothing
+    later, and its callers get the new owner's value."""
+    proxy = CuttableProxy("127.0.0.1", server.port).start()
+    owner = FlightCache(
+        f"redis://127.0.0.1:{proxy.port}/0",
+        namespace=namespace,
+        lease=0.5,
+        socket_timeout=1.0,
+        near_cache=False,
+    )
+    other = FlightCache(server.url, namespace=namespace, lease=0.5, near_cache=False)
+    gate = asyncio.Event()
+
+    async def cut_off_loader() -> str:
+        await gate.wait()
+        return "from the cut-off owner"
+
+    async def new_loader() -> str:
+        return "from the new owner"
+
+    try:
+        owner_task = asyncio.ensure_future(owner.do("k", cut_off_loader))
+        await wait_for_flight(other, "k")
+        proxy.cut()
+        assert await asyncio.wait_for(other.do("k", new_loader), 15) == "from the new owner"
+        assert other.stats["takeovers"] == 1
+        proxy.heal()
+        gate.set()  # had it kept running, its result would come now
+        assert await asyncio.wait_for(owner_task, 20) == "from the new owner"
+        assert owner.stats["lease_lost"] + owner.stats["fenced_writes"] >= 1, owner.stats
+        assert owner.stats["fail_open"] == 0  # it rejoined the shared flight
+        assert await other.get("k") == "from the new owner"
+    finally:
+        gate.set()
+        await owner.aclose()
+        await other.aclose()
+        proxy.close()
 
 
 async def _get(url: str, namespace: str, key: str) -> Any:
@@ -500,6 +548,182 @@ async def test_a_bloom_filter_out_of_reach_admits_under_fail_open(make_cache: An
     closed = make_cache(url, fail_open=False)
     with pytest.raises(BackendUnavailable):
         await closed.do("k", loader, admit=BloomFilter(closed, "seen", 100, 0.01))
+
+
+async def test_calls_that_do_not_fail_open_raise_while_the_server_is_unreachable(
+    make_cache: Any,
+) -> None:
+    """ping(), invalidate(), invalidate_many(), set(), nodes() and inspect() never answer
+    from this process: with the server out of reach they raise BackendUnavailable, even
+    with fail_open=True (an invalidation that cannot reach the server cannot promise
+    anything)."""
+    fc = make_cache(f"redis://127.0.0.1:{free_port()}/0")
+
+    async def loader() -> str:
+        return "local"
+
+    assert await fc.do("k", loader) == "local"  # do() does fail open
+    for call in (
+        fc.ping(),
+        fc.invalidate("k"),
+        fc.invalidate_many(["k"]),
+        fc.set("k", "v"),
+        fc.nodes(),
+        fc.inspect("k"),
+    ):
+        with pytest.raises(BackendUnavailable):
+            await call
+
+
+# -- smaller promises ---------------------------------------------------------------------------
+
+
+async def test_a_value_given_to_set_keeps_its_ttl_exactly(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """Results of loaders get ttl x (1 +/- 0.1); a value given to set() gets its ttl, no
+    jitter."""
+    fc = make_cache()
+    for i in range(10):
+        await fc.set(f"k{i}", "v", ttl=100)
+        left = await redis_client.pttl(fc.keyspace.flight(f"k{i}").result)
+        assert 99_000 < left <= 100_000, left
+
+
+async def test_a_stream_timeout_bounds_the_whole_production_for_every_caller(
+    make_cache: Any,
+) -> None:
+    """timeout bounds the production, not the gap between chunks: past it the owner's
+    readers get FlightTimeout after their chunks, followers too, and nothing is cached."""
+    owner, follower = make_cache(timeout=1.0), make_cache(timeout=1.0)
+
+    async def produce() -> AsyncIterator[int]:
+        yield 0
+        await asyncio.sleep(3600)
+        yield 1
+
+    async def drain(stream: Any, into: list[int]) -> None:
+        async for chunk in stream:
+            into.append(chunk)
+
+    mine: list[int] = []
+    theirs: list[int] = []
+    own = asyncio.ensure_future(drain(owner.stream("q", produce), mine))
+    await wait_for_flight(owner, "q")
+    other = asyncio.ensure_future(drain(follower.stream("q", produce), theirs))
+    await wait_for_flight(owner, "q", followers=1)
+    with pytest.raises(FlightTimeout):
+        await asyncio.wait_for(own, 10)
+    with pytest.raises(FlightTimeout):
+        await asyncio.wait_for(other, 10)
+    assert mine == [0] and theirs in ([], [0])
+    assert await owner.get("q") is MISSING
+    assert (await owner.inspect("q")).state == "vacant"  # free at once, nothing cached
+
+
+async def test_followers_of_a_value_the_codec_cannot_encode_get_a_serialization_error(
+    make_cache: Any,
+) -> None:
+    owner, follower = make_cache(), make_cache()
+    gate = asyncio.Event()
+
+    async def odd() -> object:
+        await gate.wait()
+        return object()
+
+    mine = asyncio.ensure_future(owner.do("q", odd))
+    await wait_for_flight(owner, "q")
+    theirs = asyncio.ensure_future(follower.do("q", odd))
+    await wait_for_flight(owner, "q", followers=1)
+    gate.set()
+    with pytest.raises(SerializationError):
+        await asyncio.wait_for(mine, 10)
+    with pytest.raises(RemoteError) as info:
+        await asyncio.wait_for(theirs, 10)
+    assert info.value.type_name == "SerializationError"
+    assert (await owner.inspect("q")).state == "vacant"  # not negative-cached
+
+
+async def test_error_records_are_bounded_printable_and_keep_a_relayed_error_as_it_was(
+    make_cache: Any,
+) -> None:
+    """An error record's message is cut to 2000 characters; an exception whose __str__
+    raises is reported as unprintable instead of breaking the flight; a loader that raises
+    a RemoteError it got keeps the original type, message and data."""
+    fc = make_cache(error_ttl=60)
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+    async def long_message() -> str:
+        raise Boom("x" * 5000)
+
+    async def unprintable() -> str:
+        raise Unprintable()
+
+    async def relay() -> str:
+        raise RemoteError("UpstreamDown", "the model is down", data={"status": 503})
+
+    with pytest.raises(Boom):
+        await fc.do("long", long_message)
+    with pytest.raises(RemoteError) as info:  # from the negative cache
+        await fc.do("long", long_message)
+    assert info.value.type_name == "Boom" and 1000 < len(info.value.remote_message) <= 2000
+    with pytest.raises(Unprintable):
+        await fc.do("odd", unprintable)
+    with pytest.raises(RemoteError, match="Unprintable with an unprintable message"):
+        await fc.do("odd", unprintable)
+    with pytest.raises(RemoteError):
+        await fc.do("relayed", relay)
+    with pytest.raises(RemoteError) as info:
+        await fc.do("relayed", relay)
+    assert (info.value.type_name, info.value.remote_message, info.value.data) == (
+        "UpstreamDown",
+        "the model is down",
+        {"status": 503},
+    )
+
+
+async def test_the_near_cache_is_bounded_by_entries_and_by_bytes(make_cache: Any) -> None:
+    """An LRU: past near_max_entries (or near_max_bytes, each entry counting its size plus
+    256 bytes) the least recently used copy goes, and its next read asks the server; a
+    value larger than the byte bound is never kept."""
+    fc = make_cache(near_max_entries=2, near_max_bytes=2000)
+    for key in ("a", "b", "c"):
+        await fc.set(key, key, ttl=60)
+    for key in ("a", "b", "c"):
+        assert await fc.get(key) == key  # leased in turn: "a" is pushed out by "c"
+
+    async def round_trips(key: str) -> int:
+        before = fc.stats["commands"]
+        await fc.get(key)
+        return fc.stats["commands"] - before
+
+    assert await round_trips("c") == 0 and await round_trips("b") == 0
+    assert await round_trips("a") >= 1
+    await fc.set("big", "x" * 3000, ttl=60)
+    assert await fc.get("big") == "x" * 3000
+    assert await round_trips("big") >= 1  # over near_max_bytes: never kept
+
+
+def test_a_cluster_has_no_tls_or_unix_socket_form() -> None:
+    for url in ("rediss://127.0.0.1:6379/0", "unix:///tmp/redis.sock"):
+        with pytest.raises(ConfigError):
+            FlightCache(url, cluster=True)
+
+
+async def test_msgpack_values_round_trip_and_a_json_reader_refuses_them(make_cache: Any) -> None:
+    pytest.importorskip("msgpack", reason="msgpack is an optional extra (flightcache[msgpack])")
+    packer, reader = make_cache(codec="msgpack"), make_cache()
+
+    async def loader() -> dict[str, Any]:
+        return {"n": 1, "b": b"raw bytes"}
+
+    assert await packer.do("k", loader) == {"n": 1, "b": b"raw bytes"}
+    assert await packer.get("k") == {"n": 1, "b": b"raw bytes"}
+    with pytest.raises(SerializationError):
+        await reader.get("k")
 
 
 # -- transports ---------------------------------------------------------------------------------

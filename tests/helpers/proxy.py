@@ -16,7 +16,7 @@ class CuttableProxy:
     """Forwards 127.0.0.1:<port> to a target.
 
     ``cut()`` drops every connection and refuses new ones, like a network partition between
-    its clients and the server. ``hold_replies()`` keeps what the server sends back on every
+    its clients and the server, until ``heal()``. ``hold_replies()`` keeps what the server sends back on every
     connection that has not subscribed to a pub/sub channel (commands reach the server; their
     answers wait in the proxy) until ``release_replies()``; pub/sub connections keep flowing,
     so a node still hears messages while its commands' answers are late.
@@ -106,6 +106,14 @@ class CuttableProxy:
                 w.transport.abort()
 
         asyncio.run_coroutine_threadsafe(cut(), self._loop).result(5)
+
+    def heal(self) -> None:
+        """End the partition: new connections are forwarded again."""
+
+        def heal() -> None:
+            self._cut = False
+
+        self._call(heal)
 
     def close(self) -> None:
         self.cut()
