@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from flightcache import (
     MISSING,
+    NOT_FOUND,
     BackendUnavailable,
     BloomFilter,
     ConfigError,
@@ -705,6 +706,60 @@ async def test_the_near_cache_is_bounded_by_entries_and_by_bytes(make_cache: Any
     await fc.set("big", "x" * 3000, ttl=60)
     assert await fc.get("big") == "x" * 3000
     assert await round_trips("big") >= 1  # over near_max_bytes: never kept
+
+
+async def test_during_a_refresh_other_callers_get_the_stored_value_without_waiting(
+    make_cache: Any,
+) -> None:
+    """A refresh recomputes while the old result stays in place: plain callers, here and in
+    another process, get it at once (the refresh's loader is still held); then the new
+    value replaces it."""
+    owner, other = make_cache(), make_cache()
+    gate = asyncio.Event()
+
+    async def old() -> str:
+        return "old"
+
+    async def new() -> str:
+        await gate.wait()
+        return "new"
+
+    assert await owner.do("k", old) == "old"
+    refresh = asyncio.ensure_future(owner.do("k", new, refresh=True))
+    await wait_for_flight(owner, "k")
+    assert await other.do("k", new) == "old"  # the gate is still shut: it did not wait
+    assert await owner.do("k", new) == "old"
+    gate.set()
+    assert await asyncio.wait_for(refresh, 10) == "new"
+    assert await other.get("k") in ("old", "new")  # its near-cache copy may live on
+    assert await make_cache(near_cache=False).get("k") == "new"
+
+
+async def test_whether_a_flight_stores_is_its_owners_choice(make_cache: Any) -> None:
+    """A plain call in another process that follows a store=False flight gets that flight's
+    value, unstored; a not-found answer is not a loader error."""
+    owner, follower = make_cache(), make_cache()
+    gate = asyncio.Event()
+
+    async def loader() -> str:
+        await gate.wait()
+        return "not kept"
+
+    mine = asyncio.ensure_future(owner.do("k", loader, store=False))
+    await wait_for_flight(owner, "k")
+    theirs = asyncio.ensure_future(follower.do("k", loader))  # a plain call
+    await wait_for_flight(owner, "k", followers=1)
+    gate.set()
+    assert await mine == await theirs == "not kept"
+    assert follower.stats["follows"] == 1 and follower.stats["loader_runs"] == 0
+    assert await make_cache(near_cache=False).get("k") is MISSING
+    assert await follower.get("k") is MISSING  # nor leased by the follower
+
+    async def absent() -> Any:
+        raise KeyError("no such row")
+
+    assert await owner.do("row", absent, not_found=(KeyError,)) is NOT_FOUND
+    assert owner.stats["loader_errors"] == 0
 
 
 def test_a_cluster_has_no_tls_or_unix_socket_form() -> None:
