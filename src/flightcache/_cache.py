@@ -299,14 +299,13 @@ class FlightCache:
             flights = await self._ready()
         front: Flights = flights
 
-        def start() -> Coroutine[Any, Any, bytes]:
-            job = LoaderJob(loader, self.envelope, fk.digest, not_found)
-            opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
-            return self._local.fly(front, fk, job, opts)
+        opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
 
-        data, hit = await self._local.call(
-            front, fk, refresh=refresh, track=bool(refresh_ahead), start=start
-        )
+        def start(handle: Any) -> Coroutine[Any, Any, bytes]:
+            job = LoaderJob(loader, self.envelope, fk.digest, not_found)
+            return self._local.fly(front, fk, job, opts, handle)
+
+        data, hit = await self._local.call(front, fk, opts, track=bool(refresh_ahead), start=start)
         if hit:
             self._stats.hits += 1
             if refresh_ahead and store:

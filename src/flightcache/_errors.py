@@ -11,6 +11,8 @@
     ├── ValueTooLarge           an encoded value is over ``max_value_bytes``; nothing was written
     ├── SerializationError      the codec cannot encode or decode a value
     ├── BackendUnavailable      Redis/Valkey cannot be reached (the URL is shown without password)
+    │   └── PoolExhausted       this process had no free connection for a whole wait bound: it
+    │                           is overloaded, the server is not down (no fail-open for it)
     └── ConfigError             bad arguments or settings, or a foreign value at one of our keys
 
 Every error carries ``.key`` (the key's digest, never the raw key) where one applies.
@@ -80,6 +82,13 @@ class SerializationError(FlightError):
 
 class BackendUnavailable(FlightError):
     """The Redis/Valkey server cannot be reached."""
+
+
+class PoolExhausted(BackendUnavailable):
+    """Every connection of this process's pool stayed busy for a whole wait bound
+    (``socket_timeout`` plus the connect timeout). The process is overloaded, the server is
+    not down: fail-open does not take over, and the breaker does not open. Raise
+    ``max_connections``, or send fewer concurrent commands."""
 
 
 class ConfigError(FlightError):

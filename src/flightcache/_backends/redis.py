@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from importlib.resources import files
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -15,7 +16,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from .._errors import BackendUnavailable, ConfigError, FlightError
+from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
 from .listener import Listener
@@ -189,6 +190,10 @@ class RedisConnection:
         self.stats = stats
         self.socket_timeout = socket_timeout
         self.cluster: Any = None
+        self._gate: asyncio.Semaphore | None = None  # a Cluster's bounded wait for a turn
+        self._preload: list[Script] = []
+        self._wait_timeout = connect_timeout + socket_timeout
+        self._max_connections = max_connections
         # One pub/sub connection for everything this process waits to hear from the server.
         self.listener = Listener(
             self.listen_urls,
@@ -245,6 +250,9 @@ class RedisConnection:
         except (ValueError, rexc.RedisClusterException) as exc:
             raise ConfigError(f"bad Redis Cluster URL {self.safe_url}: {exc}") from exc
         self.client = self.blocking = self.cluster
+        # At most one connection per node per turn (a pipeline takes one on each node), so
+        # no node's pool (max_connections) can overflow.
+        self._gate = asyncio.Semaphore(max_connections)
         self.scripts = {}
 
     async def open(self) -> None:
@@ -253,6 +261,30 @@ class RedisConnection:
         self.listener.start()
         if self.cluster is not None:
             await self.run(self.cluster.initialize)
+        if self._preload:
+            # Every script the server will run, loaded in one round trip (on a Cluster, on
+            # every master), so no first call pays a NOSCRIPT and a reload.
+            texts = [lua.text for lua in self._preload]
+            self._preload = []
+            if self.cluster is not None:
+                for text in texts:
+                    await self.run(functools.partial(self.client.script_load, text))
+            else:
+
+                async def load() -> None:
+                    pipe: Any = self.client.pipeline(transaction=False)
+                    for text in texts:
+                        pipe.script_load(text)
+                    await pipe.execute()
+
+                await self.run(load)
+        # Followers are told of new events on the listener: be subscribed before the first
+        # call (bounded; until then a follower re-reads its stream instead).
+        await self.listener.wait_subscribed(3.0)
+
+    def preload(self, luas: Iterable[Script]) -> None:
+        """Scripts to load when the connection opens."""
+        self._preload.extend(luas)
 
     def listen_urls(self) -> list[str]:
         """Plain URLs of the servers a pub/sub listener may use (any node of a cluster
@@ -270,11 +302,18 @@ class RedisConnection:
 
     async def run(self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None) -> T:
         self.stats.commands += 1
+        gate = self._gate
         try:
-            return await op()
+            if gate is None:
+                return await op()
+            await self._enter(gate)
+            try:
+                return await op()
+            finally:
+                gate.release()
         except rexc.MaxConnectionsError as exc:
             # This process is busy, the server is not down: no fail-open for this.
-            raise FlightError(f"connection pool exhausted for {self.safe_url}: {exc}") from exc
+            raise PoolExhausted(f"connection pool exhausted for {self.safe_url}: {exc}") from exc
         except (
             rexc.ConnectionError,
             rexc.TimeoutError,
@@ -292,6 +331,20 @@ class RedisConnection:
             if "WRONGTYPE" in str(exc) and fk is not None:
                 raise await self._wrong_type(fk) from exc
             raise FlightError(f"Redis at {self.safe_url} refused a command: {exc}") from exc
+
+    async def _enter(self, gate: asyncio.Semaphore) -> None:
+        """A cluster command's turn: redis-py's cluster client fails at once when a node's
+        pool is full, so commands wait here (bounded) for one of ``max_connections`` turns."""
+        if not gate.locked():
+            await gate.acquire()
+            return
+        try:
+            await asyncio.wait_for(gate.acquire(), self._wait_timeout)
+        except asyncio.TimeoutError as exc:
+            raise rexc.MaxConnectionsError(
+                f"all {self._max_connections} connections stayed busy for "
+                f"{self._wait_timeout:g} s (raise max_connections?)"
+            ) from exc
 
     async def script(
         self, lua: Script, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]

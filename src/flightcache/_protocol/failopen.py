@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .._codec import Envelope
-from .._errors import BackendUnavailable
+from .._errors import BackendUnavailable, PoolExhausted
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo, Stats
-from .base import Flights
+from .base import Flights, Opening
 from .jobs import Job
 from .memory import MemoryFlights
 
@@ -95,6 +96,8 @@ class FailOpen:
                 answer = await self.server.lookup_full(fk)
             else:
                 answer = await self.server.lookup(fk), 0, False, 0
+        except PoolExhausted:
+            raise  # this process is busy, the server is not down
         except BackendUnavailable as exc:
             if not self.enabled:
                 raise
@@ -104,18 +107,51 @@ class FailOpen:
             self.worked()
         return answer
 
-    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+    def prepare(self, fk: FlightKeys) -> Any:
+        return self.server.prepare(fk)
+
+    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
+        """The server's first read; while it is down, this process's own lookup, for which
+        the server vouches nothing (no time left to lease or to track)."""
+        if self.enabled and self.skip_server():
+            return Opening(None if opts.refresh else await self.local.lookup(fk))
+        try:
+            opening = await self.server.begin(fk, opts, handle)
+        except PoolExhausted:
+            raise  # this process is busy, the server is not down
+        except BackendUnavailable as exc:
+            if not self.enabled:
+                raise
+            self.failed(exc)
+            return Opening(None if opts.refresh else await self.local.lookup(fk))
+        if self.down:
+            self.worked()
+        return opening
+
+    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
+        await self.server.abandon(fk, opts, handle)
+
+    def release(self, handle: Any) -> None:
+        self.server.release(handle)
+
+    async def resolve(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Any = None
+    ) -> bytes:
         """The flight through the server, or, while it is down, in this process."""
         if not self.enabled:
-            return await self.server.resolve(fk, job, opts)
+            return await self.server.resolve(fk, job, opts, handle)
         if not self.skip_server():
             try:
-                result = await self.server.resolve(fk, job, opts)
+                result = await self.server.resolve(fk, job, opts, handle)
+            except PoolExhausted:
+                raise  # this process is busy, the server is not down
             except BackendUnavailable as exc:
                 self.failed(exc)
             else:
                 self.worked()
                 return result
+        else:
+            self.server.release(handle)
         self.stats.fail_open += 1
         result = await self.local.resolve(fk, job, opts)
         job.lease = None  # this process's own answer: nothing the server could lease

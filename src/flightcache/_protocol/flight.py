@@ -26,11 +26,13 @@ from .._errors import (
     BackendUnavailable,
     FlightError,
     FlightTimeout,
+    PoolExhausted,
     SerializationError,
     ValueTooLarge,
 )
 from .._keys import FlightKeys, KeySpace
 from .._types import CallOptions, FlightInfo, Stats
+from .base import Opening
 from .heartbeat import Lease, Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
@@ -93,8 +95,15 @@ class _State:
 def _state(reply: list[Any], claim_id: str, sent: float) -> _State:
     kind = int(reply[0])
     if kind == CLAIMED:  # last_id: the claim's own stream entry; token: '' until confirmed
-        token = int(reply[3]) if len(reply) > 3 and reply[3] else 0
-        return _State(CLAIMED, claim_id=claim_id, last_id=reply[2], token=token, sent=sent)
+        token = int(reply[3]) if reply[3] else 0
+        return _State(
+            CLAIMED,
+            claim_id=claim_id,
+            last_id=reply[2],
+            token=token,
+            sent=sent,
+            lease_left_ms=max(int(reply[4]), 0),
+        )
     if kind == HIT:
         return _State(
             HIT,
@@ -116,6 +125,19 @@ def _state(reply: list[Any], claim_id: str, sent: float) -> _State:
             last_id=reply[4],
         )
     return _State(VACANT, rank=int(reply[1]))
+
+
+class _Handle:
+    """One call's part in a flight, from its first join on: the claim id that join sends
+    (sent again, it answers the same claim), its answer, and the call's waiter."""
+
+    __slots__ = ("claim_id", "digest", "state", "waiter")
+
+    def __init__(self, digest: str, claim_id: str) -> None:
+        self.digest = digest
+        self.claim_id = claim_id
+        self.state: _State | None = None
+        self.waiter: Waiter | None = None
 
 
 class _Lost(Exception):
@@ -148,6 +170,7 @@ class RedisFlights:
         self.token_in_join = self.seq_conn is conn and conn.cluster is None
         self.hub = WakeHub(conn.listener, keyspace.wake_prefix + node_id)
         self.renewer = Renewer(self._renew_batch, clock)
+        conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
 
     async def aclose(self) -> None:
@@ -194,40 +217,74 @@ class RedisFlights:
 
     # -- the flight ----------------------------------------------------------------------
 
-    def watch(self, fk: FlightKeys) -> Waiter:
-        """A waiter for the flight's wake-ups: made before the first join of a call, so no
-        event after the position that join returns can pass unheard."""
-        return self.hub.watch(fk.digest)
+    def prepare(self, fk: FlightKeys) -> _Handle:
+        return _Handle(fk.digest, secrets.token_hex(8))
 
-    async def begin(self, fk: FlightKeys, opts: CallOptions, waiter: Waiter) -> _State:
-        """A call's first read: the join itself (hit, follow, claimed, or vacant)."""
-        return await self._join(fk, opts, "always", refresh=opts.refresh)
+    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: _Handle) -> Opening:
+        """A call's first read: the join itself (hit, follow, or claimed, with the token
+        where owner-seq is on this server). The waiter for the flight's wake-ups is made
+        before the join is sent, so no event after the position it returns passes unheard."""
+        handle.waiter = self.hub.watch(fk.digest)
+        try:
+            state = await self._join(
+                fk, opts, "always", refresh=opts.refresh, claim_id=handle.claim_id
+            )
+        except BaseException:
+            self.release(handle)
+            raise
+        if state.kind == HIT:
+            self.release(handle)
+            assert state.value is not None
+            leasable = state.leasable and state.ttl_left_ms > 0
+            return Opening(state.value, state.ttl_left_ms, leasable, state.cost_ms, handle)
+        handle.state = state
+        return Opening(None, handle=handle)
+
+    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: _Handle) -> None:
+        """Nobody waits for this call any more: if its join claimed the flight, give it
+        back at once (followers claim without waiting out the lease)."""
+        RedisFlights.release(handle)
+        try:
+            state = handle.state or await self._join(
+                fk, opts, "mine", refresh=opts.refresh, claim_id=handle.claim_id
+            )
+            if state.kind == CLAIMED and state.token:
+                await self._give_back(fk, state.token)
+        except FlightError as exc:  # the claim lapses with its lease
+            log_claim.info("flight %s: could not give back an abandoned claim: %s", fk.digest, exc)
+
+    @staticmethod
+    def release(handle: _Handle | None) -> None:
+        if handle is not None and handle.waiter is not None:
+            handle.waiter.hub.unwatch(handle.waiter)
+            handle.waiter = None
 
     async def resolve(
-        self,
-        fk: FlightKeys,
-        job: Job,
-        opts: CallOptions,
-        first: _State | None = None,
-        waiter: Waiter | None = None,
+        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: _Handle | None = None
     ) -> bytes:
         """The stored result of the flight (value, stream or error record), or ``b""`` for a
-        stream whose every chunk this process already has. ``first`` and ``waiter``: what
-        :meth:`begin` answered, when the caller made the first join itself."""
-        if waiter is None:
-            waiter = self.watch(fk)
+        stream whose every chunk this process already has. ``handle``: from a ``begin``
+        that found no stored result (its join's answer and waiter), or one whose ``begin``
+        was interrupted (the join is sent again with the same claim id: it answers the
+        claim it may have made)."""
+        if handle is None:
+            handle = self.prepare(fk)
+        if handle.waiter is None:
+            handle.waiter = self.hub.watch(fk.digest)
         try:
-            return await self._resolve(fk, job, opts, first, waiter)
+            return await self._resolve(fk, job, opts, handle)
         finally:
-            self.hub.unwatch(waiter)
+            self.release(handle)
 
-    async def _resolve(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, first: _State | None, waiter: Waiter
-    ) -> bytes:
+    async def _resolve(self, fk: FlightKeys, job: Job, opts: CallOptions, handle: _Handle) -> bytes:
         deadline = self.clock() + opts.wait_bound_s
-        state: _State | None = first
+        waiter = handle.waiter
+        assert waiter is not None
+        state: _State | None = handle.state
         if state is None:
-            state = await self._join(fk, opts, "always", refresh=opts.refresh)
+            state = await self._join(
+                fk, opts, "always", refresh=opts.refresh, claim_id=handle.claim_id
+            )
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
@@ -281,7 +338,10 @@ class RedisFlights:
                     continue
                 since = state.last_id  # our own claim's entry
                 if state.token:  # the join took the token itself
-                    confirmed: tuple[int, float] | None = (state.token, state.sent)
+                    # The lease runs out no later than its time left after the join was sent
+                    # (a fresh claim: a whole lease; a claim found again: what it has left).
+                    granted = state.sent + state.lease_left_ms / 1000 - opts.lease_ms / 1000
+                    confirmed: tuple[int, float] | None = (state.token, granted)
                 else:
                     confirmed = await self._confirm(fk, opts, state.claim_id)
                 if confirmed is None:  # the claim lapsed before its token arrived
@@ -294,6 +354,8 @@ class RedisFlights:
                 except _Lost:
                     state = None
                     takeover = False
+            except PoolExhausted:
+                raise  # this process is overloaded: waiting longer would not help
             except BackendUnavailable as exc:
                 # A failover (a cluster master replaced by its replica) or a blip: the flight
                 # may still be fine. Retry from a fresh join for a while, then give up.
@@ -331,6 +393,7 @@ class RedisFlights:
         *,
         refresh: bool = False,
         since: bytes = b"",
+        claim_id: str = "",
     ) -> _State:
         """Hit, follow, or claim (mode 'always', or 'first' in the waiters queue).
 
@@ -338,7 +401,7 @@ class RedisFlights:
         result is the one its own flight stored). ``since`` is a follower's stream position:
         an end of its flight after it is reported (ENDED) rather than claimed over.
         """
-        claim_id = secrets.token_hex(8)
+        claim_id = claim_id or secrets.token_hex(8)
         keys = [fk.result, fk.meta, fk.waiters, fk.stream, fk.marker, fk.cost]
         bits: int | str = ""
         if self.token_in_join:

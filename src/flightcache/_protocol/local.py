@@ -138,22 +138,39 @@ class LocalFlights:
     # -- reads and flights ---------------------------------------------------------------
 
     async def lookup(self, flights: Flights, fk: FlightKeys, track: bool = False) -> bytes | None:
-        """The stored result; with a near cache, also leased when it may be, and with
-        ``track``, its expiry noted for refresh-ahead."""
+        """The stored result (never a flight: ``get``); with a near cache, also leased when
+        it may be, and with ``track``, its expiry noted for refresh-ahead."""
         leases = self.leases
         if leases is None and not track:
             return await flights.lookup(fk)
         heard = leases.heard() if leases is not None else 0
         sent = time.monotonic()
         data, ttl_left_ms, leasable, cost_ms = await flights.lookup_full(fk)
-        if data is not None and leasable and leases is not None:
-            leases.grant(fk.digest, data, sent, ttl_left_ms, heard)
-        if data is not None and track:
-            self.expiries.saw(fk.digest, sent, ttl_left_ms, cost_ms)
+        self._saw(fk, data, sent, ttl_left_ms, leasable, cost_ms, heard, track)
         return data
 
+    def _saw(
+        self,
+        fk: FlightKeys,
+        data: bytes | None,
+        sent: float,
+        ttl_left_ms: int,
+        leasable: bool,
+        cost_ms: int,
+        heard: int,
+        track: bool,
+    ) -> None:
+        """A result read from the server: leased into the near cache when it may be, and
+        with ``track``, its expiry noted for refresh-ahead."""
+        if data is None:
+            return
+        if leasable and self.leases is not None:
+            self.leases.grant(fk.digest, data, sent, ttl_left_ms, heard)
+        if track:
+            self.expiries.saw(fk.digest, sent, ttl_left_ms, cost_ms)
+
     def fly(
-        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions
+        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions, handle: Any = None
     ) -> Coroutine[Any, Any, bytes]:
         """The flight of a value, to run: what the server leased with the result is kept.
 
@@ -161,12 +178,18 @@ class LocalFlights:
         granted on a value that an invalidation may have overtaken.
         """
         heard = self.leases.heard() if self.leases is not None else 0
-        return self._fly(flights, fk, job, opts, heard)
+        return self._fly(flights, fk, job, opts, heard, handle)
 
     async def _fly(
-        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions, heard: int
+        self,
+        flights: Flights,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        heard: int,
+        handle: Any = None,
     ) -> bytes:
-        result = await flights.resolve(fk, job, opts)
+        result = await flights.resolve(fk, job, opts, handle)
         if job.lease is not None:
             sent, ttl_ms = job.lease
             self.expiries.saw(fk.digest, sent, ttl_ms, job.cost_ms)
@@ -195,40 +218,49 @@ class LocalFlights:
         self,
         flights: Flights,
         fk: FlightKeys,
+        opts: CallOptions,
         *,
-        refresh: bool,
         track: bool,
-        start: Callable[[], Coroutine[Any, Any, bytes]],
+        start: Callable[[Any], Coroutine[Any, Any, bytes]],
     ) -> tuple[bytes, bool]:
-        """The result for ``fk``, and whether it is a hit of this caller's own lookup.
+        """The result for ``fk``, and whether it is a hit of this caller's own first read.
 
-        Joins the lookup or flight of this key already under way in this process, else
-        looks the key up (unless ``refresh``) and on a miss runs ``start()`` in a task.
+        Joins the read or flight of this key already under way in this process, else sends
+        the call's first read (``Flights.begin``: on a server, the join itself, which may
+        claim the flight), and when nothing is stored runs ``start(handle)`` in a task.
         """
-        table_key = fk.digest + "!" if refresh else fk.digest
+        table_key = fk.digest + "!" if opts.refresh else fk.digest
         slot = self.slots.get(table_key)
         if slot is not None:  # local single-flight: this process already asks the server
             self.stats.coalesced += 1
             return await asyncio.shield(slot.wait()), False
         slot = _Slot(table_key)
         self.slots[table_key] = slot
-        # Hit path: one read in the caller's own task (no task, no future).
+        # The first read in the caller's own task (a hit costs no task and no future).
+        handle = flights.prepare(fk)
+        heard = self.leases.heard() if self.leases is not None else 0
+        sent = time.monotonic()
         try:
-            data = None if refresh else await self.lookup(flights, fk, track)
+            opening = await flights.begin(fk, opts, handle)
         except asyncio.CancelledError:
-            if slot.waited_on:  # others wait for this lookup: the flight goes on for them
-                self._start(slot, fk, start)
-            else:  # nobody else asked: no loader runs for nobody
+            if slot.waited_on:  # others wait for this read: the flight goes on for them
+                self._start(slot, fk, lambda: start(handle))
+            else:  # nobody else asked: no loader runs for nobody, a claim is given back
                 self._settle(slot, asyncio.CancelledError())
+                self.spawn(flights.abandon(fk, opts, handle))
             raise
         except BaseException as exc:
             self._settle(slot, exc)
             raise
+        data = opening.data
         if data is not None:
+            self._saw(
+                fk, data, sent, opening.ttl_left_ms, opening.leasable, opening.cost_ms, heard, track
+            )
             self._settle(slot, data)
             return data, True
         outcome = slot.wait()  # made before the flight can settle the slot
-        self._start(slot, fk, start)
+        self._start(slot, fk, lambda: start(opening.handle))
         return await asyncio.shield(outcome), False
 
     def _start(
@@ -283,14 +315,19 @@ class LocalFlights:
     ) -> None:
         try:
             flights = await self.ready()
-            data = None if opts.refresh else await self.lookup(flights, fk)
-            if data is not None:
+            handle = flights.prepare(fk)
+            try:
+                opening = await flights.begin(fk, opts, handle)
+            except asyncio.CancelledError:
+                self.spawn(flights.abandon(fk, opts, handle))
+                raise
+            if opening.data is not None:
                 self.stats.hits += 1
                 local.opened(HIT)
-                local.complete(self._stream_chunks(data, fk))
+                local.complete(self._stream_chunks(opening.data, fk))
                 return
             job = StreamJob(producer, self.envelope, fk.digest, local)
-            data = await flights.resolve(fk, job, opts)
+            data = await flights.resolve(fk, job, opts, opening.handle)
             local.opened(HIT)  # no-op unless the join itself found the result
             local.complete(None if data == b"" else self._stream_chunks(data, fk))
         except asyncio.CancelledError:

@@ -11,11 +11,13 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._errors import FlightTimeout, SerializationError, ValueTooLarge
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo, Invalidation, Stats
+from .base import Opening
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 
@@ -63,7 +65,22 @@ class MemoryFlights:
             ttl_ms = min(ttl_ms, self.max_ttl_ms)
         self._store[fk.digest] = (self.clock() + ttl_ms / 1000, data)
 
-    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
+    def prepare(self, fk: FlightKeys) -> None:
+        return None
+
+    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
+        data = None if opts.refresh else await self.lookup(fk)
+        return Opening(data, self.ttl_left_ms(fk) if data is not None else 0)
+
+    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
+        return None
+
+    def release(self, handle: Any) -> None:
+        return None
+
+    async def resolve(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Any = None
+    ) -> bytes:
         hit = None if opts.refresh else await self.lookup(fk)
         if hit is not None:
             self.stats.hits += 1

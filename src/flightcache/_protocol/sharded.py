@@ -8,6 +8,7 @@ server of the list, the designated one.
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlsplit
 
 from .._backends.redis import RedisConnection
@@ -15,6 +16,7 @@ from .._backends.ring import HashRing
 from .._errors import ConfigError
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo
+from .base import Opening
 from .flight import RedisFlights
 from .jobs import Job
 
@@ -55,8 +57,22 @@ class ShardedFlights:
     async def lookup_full(self, fk: FlightKeys) -> tuple[bytes | None, int, bool, int]:
         return await self._flights(fk).lookup_full(fk)
 
-    async def resolve(self, fk: FlightKeys, job: Job, opts: CallOptions) -> bytes:
-        return await self._flights(fk).resolve(fk, job, opts)
+    def prepare(self, fk: FlightKeys) -> Any:
+        return self._flights(fk).prepare(fk)
+
+    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
+        return await self._flights(fk).begin(fk, opts, handle)
+
+    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
+        await self._flights(fk).abandon(fk, opts, handle)
+
+    def release(self, handle: Any) -> None:
+        RedisFlights.release(handle)
+
+    async def resolve(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Any = None
+    ) -> bytes:
+        return await self._flights(fk).resolve(fk, job, opts, handle)
 
     async def inspect(self, fk: FlightKeys) -> FlightInfo:
         return await self._flights(fk).inspect(fk)

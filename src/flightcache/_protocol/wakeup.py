@@ -56,9 +56,10 @@ class Waiter:
     """One follower's mailbox for one digest: messages in arrival order, and whether the
     follower must re-read its stream (a message may have been missed)."""
 
-    __slots__ = ("_event", "digest", "gap", "messages")
+    __slots__ = ("_event", "digest", "gap", "hub", "messages")
 
-    def __init__(self, digest: str, gap: bool) -> None:
+    def __init__(self, hub: WakeHub, digest: str, gap: bool) -> None:
+        self.hub = hub
         self.digest = digest
         self.messages: list[tuple[bytes, list[Entry]]] = []
         self.gap = gap
@@ -108,13 +109,13 @@ class WakeHub:
 
     def watch(self, digest: str) -> Waiter:
         """A waiter for ``digest``; made before the join whose events it must not miss."""
-        waiter = Waiter(digest, gap=not self.listener.subscribed)
+        waiter = Waiter(self, digest, gap=not self.listener.subscribed)
         self._waiters.setdefault(digest, []).append(waiter)
         return waiter
 
     def unwatch(self, waiter: Waiter) -> None:
         waiters = self._waiters.get(waiter.digest)
-        if waiters is not None:
+        if waiters is not None and waiter in waiters:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiters[waiter.digest]

@@ -5,7 +5,8 @@
 -- marker   KEYS[6] cost   KEYS[7] owner-seq (only where it lives on this server)
 -- ARGV[1] node id of the caller   ARGV[2] waiters TTL ms
 -- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
---         the waiters queue (after an owner's death, so the first-joined goes first)
+--         the waiters queue (after an owner's death, so the first-joined goes first);
+--         'mine' never claim nor queue: only say whether this claim id holds the flight
 -- ARGV[4] claim id (random, one per call)   ARGV[5] lease ms   ARGV[6] loader timeout ms
 -- ARGV[7] key description (for inspect)   ARGV[8] stream TTL ms
 -- ARGV[9] '1' to refresh: a stored result does not count (follow a running flight or claim
@@ -26,11 +27,14 @@
 --                                           waiters at 0-based position `rank`; `from_id` is
 --                                           this flight's `claimed` event: every chunk and
 --                                           the end of the flight come after it
---         {3, attempts, entry, token}       claimed: with KEYS[7], meta is RUNNING under the
+--         {3, attempts, entry, token, lease_left_ms}
+--                                           claimed: with KEYS[7], meta is RUNNING under the
 --                                           new token; without, token is '' and meta is
 --                                           CLAIMING under the claim id. A `claimed` event is
 --                                           on the stream, the first entry left on it
---                                           (earlier flights are trimmed), whose id is `entry`
+--                                           (earlier flights are trimmed), whose id is `entry`.
+--                                           Also the answer to the same claim id sent again
+--                                           (a retry), with the lease it has left
 --         {0, rank}                         vacant and not claimed: not first in the queue
 --         {4, type, v, n}                   ended: the newest event after ARGV[10] is a
 --                                           `done` or `error` (v, n: its fields, or '')
@@ -51,7 +55,10 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   if redis.call('HGET', KEYS[2], 'claimId') == ARGV[4] then
     -- this very call, sent again after a lost reply (a driver retry): it is the claimer
     local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry', 'ownerToken')
-    return {3, tonumber(claim[1]), claim[2], claim[3] or ''}
+    return {3, tonumber(claim[1]), claim[2], claim[3] or '', redis.call('PTTL', KEYS[2])}
+  end
+  if ARGV[3] == 'mine' then
+    return {0, -1}
   end
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
@@ -71,7 +78,7 @@ if ARGV[10] ~= '' then
     end
   end
 end
-if ARGV[3] == 'first' and rank ~= 0 then
+if ARGV[3] == 'mine' or (ARGV[3] == 'first' and rank ~= 0) then
   return {0, rank or -1}
 end
 -- Vacant: claim it. Claims trim the stream, so its first entry is the previous flight's
@@ -122,4 +129,4 @@ redis.call('PEXPIRE', KEYS[4], ARGV[8])
 redis.call('HSET', KEYS[2], 'claimEntry', entry)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 wake_send(w, ARGV[13], ARGV[14], ARGV[15])
-return {3, attempts, entry, token}
+return {3, attempts, entry, token, tonumber(ARGV[5])}

@@ -1,0 +1,257 @@
+"""Scale across distinct keys: what a process costs grows with its work, not with the
+number of flights it waits for (docs/protocol.md, "Waiting, claiming and renewing at scale")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from flightcache import EmbeddedServer, FlightCache
+
+from .helpers.flights import wait_for_flight
+
+SCALE_WORKER = Path(__file__).with_name("helpers") / "scale_worker.py"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _start(cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, str(SCALE_WORKER), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _report(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"worker overran {timeout} s: {err[-2000:]}") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, f"no report (exit {proc.returncode}): {err[-2000:]}"
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def _connections(admins: list[redis.Redis], pid: int) -> tuple[int, int]:
+    """The connections of process ``pid`` on every server (by its client names), and how
+    many of them sit in a blocking command."""
+    total = blocked = 0
+    for admin in admins:
+        for client in admin.client_list():
+            if f":{pid}:" in client.get("name", ""):
+                total += 1
+                if client.get("cmd") in ("xread", "blpop", "brpop", "xreadgroup"):
+                    blocked += 1
+    return total, blocked
+
+
+def _many_keys(urls: list[str], url: str, namespace: str, tmp_path: Path) -> None:
+    """2,000 distinct keys owned by one process (20 s loaders) and followed by another that
+    may use at most 16 pooled connections per server: every follower gets its value, none
+    fails, and the follower waits on a fixed handful of connections, none blocked."""
+    keys, pool = 2000, 16
+    base = {"url": url, "namespace": namespace, "keys": keys, "markers": str(tmp_path)}
+    owner = _start({**base, "role": "owner", "loader_s": 20.0, "lease": 3.0})
+    admins = [redis.Redis.from_url(u) for u in urls]
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "owning").exists():
+            assert owner.poll() is None, owner.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "the owner never started its 2,000 loaders"
+            time.sleep(0.05)
+        follower = _start({**base, "role": "follower", "max_connections": pool})
+        peak = blocked_peak = 0
+        while follower.poll() is None:
+            total, blocked = _connections(admins, follower.pid)
+            peak, blocked_peak = max(peak, total), max(blocked_peak, blocked)
+            time.sleep(0.25)
+        got = _report(follower, 30)
+        owned = _report(owner, 60)
+    finally:
+        for proc in (owner,):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        for admin in admins:
+            admin.close()
+    assert owned["right"] == keys and owned["loader_runs"] == keys, owned
+    assert got["error_count"] == 0, got["errors"]
+    assert got["right"] == keys, got
+    assert got["loader_runs"] == 0, got
+    assert got["stats"]["follows"] == keys, got["stats"]
+    # Waiting holds no connection: the pool (at most 16 per server) and one listener per
+    # server are all the follower ever had, for 2,000 flights of 20 s.
+    assert blocked_peak == 0
+    assert 1 <= peak <= (pool + 1) * len(urls) + 1, peak
+
+
+@pytest.mark.timeout(120)
+def test_2000_distinct_flights_followed_on_a_fixed_number_of_connections(
+    private_server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    _many_keys([private_server.url], private_server.url, namespace, tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_2000_distinct_flights_followed_on_a_cluster(
+    cluster: Any, namespace: str, tmp_path: Path
+) -> None:
+    urls = [s.url for s in cluster.servers]
+    _many_keys(urls, cluster.url, namespace, tmp_path)
+
+
+def _client_id(admin_url: str, name_part: str) -> int:
+    admin = redis.Redis.from_url(admin_url)
+    try:
+        for client in admin.client_list():
+            if name_part in client.get("name", ""):
+                return int(client["id"])
+    finally:
+        admin.close()
+    raise AssertionError(f"no client named like {name_part!r}")
+
+
+async def test_a_dropped_wake_up_still_ends_in_the_right_value_within_the_lease(
+    make_cache: Any, server: EmbeddedServer, redis_client: aioredis.Redis
+) -> None:
+    """The follower's listener connection is killed while it waits, and the owner completes
+    while it is gone: the follower still gets the value, well within one lease."""
+    lease = 2.0
+    owner, follower = make_cache(lease=lease), make_cache(lease=lease)
+    gate = asyncio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return "the value"
+
+    async def never() -> str:
+        raise AssertionError("the follower must not run the loader")
+
+    running = asyncio.ensure_future(owner.do("k", slow))
+    await wait_for_flight(owner, "k")
+    followed = asyncio.ensure_future(follower.do("k", never))
+    await wait_for_flight(owner, "k", followers=1)
+    listener = _client_id(server.url, f"{follower.node_id}:listen")
+    await redis_client.client_kill_filter(_id=listener)
+    gate.set()  # published while the follower's listener is down
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(followed, 10) == "the value"
+    assert time.monotonic() - t0 < lease + 1.0  # recovered by the re-read, or the re-check
+    assert await running == "the value"
+    assert follower.stats["loader_runs"] == 0 and follower.stats["follows"] == 1
+
+
+async def test_a_lost_wake_up_with_the_listener_deaf_is_found_by_the_lease_recheck(
+    make_cache: Any, server: EmbeddedServer
+) -> None:
+    """With the follower unable to hear anything at all (its listener never subscribes),
+    the lease-bounded re-check alone finds the result: no poll, one join per lease."""
+    lease = 0.6
+    owner = make_cache(lease=lease)
+    follower = make_cache(lease=lease)
+    await follower.get("warm-up")
+    conn = follower._conn  # a listener that hears nothing: as if every message was lost
+    await conn.listener.aclose()
+    gate = asyncio.Event()
+
+    async def slow() -> str:
+        await gate.wait()
+        return "late"
+
+    running = asyncio.ensure_future(owner.do("k", slow))
+    await wait_for_flight(owner, "k")
+    followed = asyncio.ensure_future(follower.do("k", slow))
+    await wait_for_flight(owner, "k", followers=1)
+    await asyncio.sleep(0.5)
+    gate.set()
+    assert await asyncio.wait_for(followed, 10) == "late"
+    assert await running == "late"
+    assert follower.stats["loader_runs"] == 0
+
+
+@pytest.mark.parametrize("near_cache", [False, True])
+async def test_a_miss_is_two_round_trips_and_a_hit_one(
+    private_server: EmbeddedServer, namespace: str, near_cache: bool
+) -> None:
+    """On one server, an owner's miss is join (with its token) then complete; a hit on
+    another process is the join alone. Counted on the wire with MONITOR."""
+    from .helpers.monitor import CommandLog
+
+    fc = FlightCache(private_server.url, namespace=namespace, near_cache=near_cache, node_ttl=60)
+    other = FlightCache(private_server.url, namespace=namespace, near_cache=near_cache, node_ttl=60)
+    try:
+        await fc.get("warm-up")
+        await other.get("warm-up")
+        log = CommandLog("127.0.0.1", private_server.port)
+        try:
+            before = sum(log.commands.values())
+
+            async def loader() -> str:
+                return "v"
+
+            assert await fc.do("k", loader) == "v"
+            await asyncio.sleep(0.2)  # let MONITOR catch up
+            miss = sum(log.commands.values()) - before
+            before = sum(log.commands.values())
+            assert await other.do("k", loader) == "v"
+            await asyncio.sleep(0.2)
+            hit = sum(log.commands.values()) - before
+        finally:
+            log.close()
+    finally:
+        await fc.aclose()
+        await other.aclose()
+    assert miss == 2, log.commands
+    assert hit == 1, log.commands
+
+
+async def test_an_owner_of_1000_flights_renews_them_in_a_few_commands_a_tick(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """1,000 owned flights with a 0.6 s lease (a tick every 0.2 s) for 2 s: the renewals
+    are a handful of scripts a tick (200 flights each), counted by the server."""
+    admin = aioredis.Redis.from_url(private_server.url)
+    fc = FlightCache(private_server.url, namespace=namespace, lease=0.6, near_cache=False)
+    try:
+        await fc.get("warm-up")
+
+        async def evalsha() -> int:
+            stats = await admin.info("commandstats")
+            return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+        before = await evalsha()
+        t0 = time.monotonic()
+
+        async def loader() -> str:
+            await asyncio.sleep(2.0)
+            return "v"
+
+        values = await asyncio.gather(*(fc.do(f"k{i}", loader) for i in range(1000)))
+        elapsed = time.monotonic() - t0
+        scripts = await evalsha() - before
+    finally:
+        await fc.aclose()
+        await admin.aclose()
+    assert values == ["v"] * 1000
+    assert fc.stats["lease_lost"] == 0
+    renewals = scripts - 2 * 1000  # every flight's join and complete
+    ticks = elapsed / 0.2
+    # 5 scripts of 200 flights a tick (and a few ticks more on a loaded machine), where one
+    # script per flight would be 1,000 a tick.
+    assert 0 < renewals <= 5 * (ticks + 3), (renewals, ticks)
