@@ -35,11 +35,7 @@ LAYERS: list[set[str]] = [
 APART = [("_protocol", "_leases")]  # same layer, and neither imports the other
 
 # Known exceptions, each with its reason: (importer, imported) -> why.
-ALLOWED = {
-    ("flightcache._config", "flightcache._protocol.flight"): (
-        "a type hint only (Tuning); Tuning moves into _config.py when flight.py is free"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 Edge = tuple[str, str, bool]  # importer, imported, runs (False: under TYPE_CHECKING only)
 

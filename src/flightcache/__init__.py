@@ -7,6 +7,7 @@ from ._backends.embedded import EmbeddedServer
 from ._backends.ring import HashRing
 from ._cache import FlightCache
 from ._codec import Codec
+from ._config import Tuning
 from ._errors import (
     BackendUnavailable,
     ConfigError,
@@ -21,7 +22,6 @@ from ._errors import (
 )
 from ._leases.nodes import NodeInfo
 from ._protections.bloom import BloomFilter
-from ._protocol.flight import Tuning
 from ._protocol.streaming import FlightStream
 from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo, Invalidation
 

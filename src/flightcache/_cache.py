@@ -22,7 +22,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 from ._backends.embedded import EmbeddedServer
 from ._backends.redis import RedisConnection
 from ._codec import Codec, Envelope
-from ._config import Settings, check_call, safe_url, seconds
+from ._config import Settings, Tuning, check_call, safe_url, seconds
 from ._decorator import flight_decorator
 from ._errors import ConfigError, FlightError
 from ._keys import FlightKeys, KeySpace, canonical, digest_of
@@ -32,7 +32,6 @@ from ._protections.ahead import RefreshAhead
 from ._protections.bloom import BloomFilter, admitted
 from ._protocol.base import Flights
 from ._protocol.failopen import FailOpen
-from ._protocol.flight import Tuning
 from ._protocol.jobs import LoaderJob, Producer
 from ._protocol.local import LocalFlights
 from ._protocol.streaming import FlightStream

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ._codec import Codec, make_codec
@@ -21,10 +21,34 @@ from ._errors import ConfigError
 from ._keys import check_namespace, describe_canonical
 from ._types import CallOptions
 
-if TYPE_CHECKING:  # defined with the protocol it tunes; a type hint only, no import at run time
-    from ._protocol.flight import Tuning
+__all__ = [
+    "SCHEMES",
+    "Scheme",
+    "Settings",
+    "Tuning",
+    "check_call",
+    "safe_url",
+    "scheme_of",
+    "seconds",
+]
 
-__all__ = ["SCHEMES", "Scheme", "Settings", "check_call", "safe_url", "scheme_of", "seconds"]
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Protocol constants of one cache; the defaults suit loopback and LAN latencies."""
+
+    inline_max_bytes: int = 64 * 1024  # values up to this size ride inside the done event
+    stream_linger_ms: int = 10_000  # how long the stream outlives its flight
+    block_margin_ms: int = 50  # a follower blocks for the lease left plus this
+    takeover_step_s: float = 0.03  # delay per place in the waiters queue on takeover
+    takeover_max_rank: int = 16
+    reset_timeout_s: float = 1.0
+    ttl_jitter: float = 0.1  # results live ttl * (1 +/- this), so keys set together expire apart
+    # How long a flight keeps retrying when the server stops answering mid-flight: long
+    # enough for a cluster failover (Valkey/Redis cluster-node-timeout plus an election).
+    failover_s: float = 10.0
+    renew_batch: int = 200  # flights per renew_leases script call
+    fetch_count: int = 1000  # stream entries per XRANGE when a follower re-reads its stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 from ._backends.redis import RedisConnection
 from ._codec import Envelope
-from ._config import Settings, safe_url
+from ._config import Settings, Tuning, safe_url
 from ._errors import BackendUnavailable
 from ._keys import FlightKeys, KeySpace
 from ._leases.near import Leaser, NearCache
 from ._leases.nodes import NodeAgent, Replacer
 from ._protocol.base import Flights
 from ._protocol.failopen import FailOpen
-from ._protocol.flight import RedisFlights, Tuning
+from ._protocol.flight import RedisFlights
 from ._protocol.memory import MemoryFlights
 from ._protocol.sharded import ShardedFlights
 from ._types import Stats
@@ -57,6 +57,7 @@ class Parts:
     near: NearCache | None = None
     leaser: Leaser | None = None
     opened: bool = False  # open() finished: the node is live and listening
+    redis_flights: list[RedisFlights] = field(default_factory=list)  # one per server
 
     @property
     def designated(self) -> RedisConnection | None:
@@ -86,6 +87,8 @@ class Parts:
     async def aclose(self) -> None:
         if self.agent is not None and self.opened:
             await self.agent.aclose()  # leaves the live set: invalidations stop waiting for it
+        for flights in self.redis_flights:
+            await flights.aclose()  # the lease renewer
         for conn in self.conns:
             await conn.aclose()
 
@@ -162,7 +165,9 @@ def server_parts(shared: Shared, urls: list[str]) -> Parts:
             heard=lambda: agent.seq,
             live_until=lambda: agent.live_until,
         )
-    return Parts(flights, failopen, agent, conns, failopen, agent, near, leaser)
+    parts = Parts(flights, failopen, agent, conns, failopen, agent, near, leaser)
+    parts.redis_flights = [f for _, f in shards]
+    return parts
 
 
 def parts_for(shared: Shared) -> Parts | None:

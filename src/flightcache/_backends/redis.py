@@ -10,12 +10,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from importlib.resources import files
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
+from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
@@ -26,31 +27,6 @@ T = TypeVar("T")
 log = logging.getLogger("flightcache.redis")
 
 CLUSTER_SCHEME = "redis+cluster://"
-
-
-def safe_url(url: str) -> str:
-    """The URL with any password replaced, fit for logs and error messages.
-
-    The password may sit before the ``@`` or in the query (``?password=``, the form redis-py
-    documents for ``unix://``); both are masked. A URL that does not parse shows as such.
-    """
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-        query = parse_qsl(parts.query, keep_blank_values=True)
-    except ValueError:
-        return "<unparsable url>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
-    masked = [(k, "***" if k.lower() in SECRET_PARAMS else v) for k, v in query]
-    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(masked, safe="*"), ""))
-
-
-SECRET_PARAMS = {"password", "pass", "pwd", "secret", "token"}
 
 
 class BoundedPool(aioredis.ConnectionPool):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from .._backends.redis import safe_url
+from .._config import safe_url
 from .._errors import FlightError
 
 PROG = "flightcache"

@@ -22,6 +22,7 @@ from redis.crc import key_slot
 
 from .._backends.redis import RedisConnection, scripts
 from .._codec import NOT_FOUND_TAG, Envelope
+from .._config import Tuning
 from .._errors import (
     BackendUnavailable,
     FlightError,
@@ -54,24 +55,6 @@ log_follow = logging.getLogger("flightcache.follow")
 
 HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4
 TOKEN_RANDOM_BITS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class Tuning:
-    """Protocol constants of one cache; the defaults suit loopback and LAN latencies."""
-
-    inline_max_bytes: int = 64 * 1024  # values up to this size ride inside the done event
-    stream_linger_ms: int = 10_000  # how long the stream outlives its flight
-    block_margin_ms: int = 50  # a follower blocks for the lease left plus this
-    takeover_step_s: float = 0.03  # delay per place in the waiters queue on takeover
-    takeover_max_rank: int = 16
-    reset_timeout_s: float = 1.0
-    ttl_jitter: float = 0.1  # results live ttl * (1 +/- this), so keys set together expire apart
-    # How long a flight keeps retrying when the server stops answering mid-flight: long
-    # enough for a cluster failover (Valkey/Redis cluster-node-timeout plus an election).
-    failover_s: float = 10.0
-    renew_batch: int = 200  # flights per renew_leases script call
-    fetch_count: int = 1000  # stream entries per XRANGE when a follower re-reads its stream
 
 
 @dataclass(frozen=True, slots=True)
