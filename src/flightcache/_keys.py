@@ -74,11 +74,15 @@ class KeySpace:
     def __init__(self, namespace: str) -> None:
         self.namespace = check_namespace(namespace)
         self.owner_seq = f"{namespace}:owner-seq"
-        # Node liveness: both keys share one hash tag, so one script updates them together.
-        self.nodes = f"{namespace}:nodes:{{{namespace}}}"
-        self.node_info = f"{namespace}:nodeinfo:{{{namespace}}}"
+        # Node liveness: a set of node ids, and a lease key per node (its info, PX node TTL),
+        # under one hash tag, so one script reads and prunes them together.
+        self.nodes = f"{namespace}:nodeset:{{{namespace}}}"
         self.invalidations = f"{namespace}:invalidate"  # the pub/sub channel
         self.wake_prefix = f"{namespace}:wake:"  # + node id: a node's wake channel
+
+    def node(self, node_id: str) -> str:
+        """A node's liveness lease: its info, expiring with the lease, by the server."""
+        return f"{self.namespace}:node:{{{self.namespace}}}:{node_id}"
 
     def bloom(self, name: str) -> tuple[str, str]:
         """A Bloom filter's bitmap and parameter keys, under one hash tag of their own."""

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-import redis.asyncio as aioredis
-from redis import exceptions as rexc
 
 from .._backends.redis import RedisConnection, scripts
 from .._errors import FlightError
@@ -32,7 +30,7 @@ from .._keys import FlightKeys, KeySpace
 from .._types import Invalidation
 from .near import NearCache
 
-LUA = scripts(__package__, "live_nodes", "renew_node", "replace_result", "end_replace")
+LUA = scripts(__package__, "live_nodes", "replace_result", "end_replace")
 
 log = logging.getLogger("flightcache.nodes")
 
@@ -65,9 +63,11 @@ async def live_nodes(
     conn: RedisConnection, keyspace: KeySpace, *, leave: str = ""
 ) -> list[NodeInfo]:
     """The namespace's live nodes, by the server's clock (``leave``: remove that one first)."""
-    reply = await conn.script(
-        LUA["live_nodes"], None, (keyspace.nodes, keyspace.node_info), (leave,)
-    )
+    client = conn.client
+    members: Any = await conn.run(lambda: client.smembers(keyspace.nodes))
+    ids = sorted({m.decode() for m in members} | ({leave} if leave else set()))
+    keys = [keyspace.nodes, *(keyspace.node(i) for i in ids)]
+    reply = await conn.script(LUA["live_nodes"], None, keys, (leave, *ids))
     nodes = []
     for i in range(0, len(reply), 3):
         try:
@@ -147,9 +147,8 @@ class NodeAgent:
         self.seq = 0  # invalidations heard (and reconnects): a read that saw it move is not leased
         self._tasks: list[asyncio.Task[None]] = []
         self._acks: set[asyncio.Task[None]] = set()
-        self._listening = asyncio.Event()
-        self._stopping = False
-        self._pubsub_client: aioredis.Redis | None = None
+        if near is not None:  # invalidations arrive on the connection's one listener
+            conn.listener.add(keyspace.invalidations, self._heard, self._forget_all)
         # Until when the live set surely lists this node: a near-cache copy must not be
         # trusted past it, or an invalidation could stop waiting for a node still serving.
         self.live_until = clock()
@@ -165,29 +164,19 @@ class NodeAgent:
             log.info("node %s: could not register as live yet: %s", self.node_id, exc)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._heartbeat()))
-        if self.near is not None:
-            self._tasks.append(loop.create_task(self._listen()))
-            if registered:  # a server that answered: hear invalidations before serving
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._listening.wait(), 3.0)
+        if self.near is not None and registered:
+            # A server that answered: hear invalidations before serving (the connection
+            # started its listener when it opened).
+            await self.conn.listener.wait_subscribed(3.0)
 
     async def aclose(self) -> None:
-        self._stopping = True
         tasks = [*self._tasks, *self._acks]
         for task in tasks:
             task.cancel()
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=1.0)
-            if pending and self._pubsub_client is not None:
-                # redis-py's get_message can swallow a cancellation that lands as its read
-                # times out; a closed connection ends the listener for sure.
-                await self._pubsub_client.connection_pool.disconnect()
-                await asyncio.wait(pending, timeout=2.0)
+            await asyncio.wait(tasks, timeout=1.0)
         with contextlib.suppress(FlightError, asyncio.TimeoutError):
             await asyncio.wait_for(self._live(leave=True), 1.0)  # leave the live set now
-        if self._pubsub_client is not None:
-            await self._pubsub_client.aclose()
-            await self._pubsub_client.connection_pool.disconnect()
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -207,13 +196,16 @@ class NodeAgent:
         )
 
     async def _renew(self) -> None:
+        """One command a renewal: the node's lease key, set with the TTL (the server's
+        clock decides when it lapses). Only when that key was gone (the first renewal, or
+        after a lapse, when ``live_nodes`` may have pruned it) is the id added to the set."""
         sent = self.clock()
-        await self.conn.script(
-            LUA["renew_node"],
-            None,
-            (self.keyspace.nodes, self.keyspace.node_info),
-            (self.node_id, int(self.node_ttl_s * 1000), self._info()),
-        )
+        client, key = self.conn.client, self.keyspace.node(self.node_id)
+        ttl_ms = int(self.node_ttl_s * 1000)
+        info = self._info()
+        before = await self.conn.run(lambda: client.set(key, info, px=ttl_ms, get=True))
+        if before is None:
+            await self.conn.run(lambda: client.sadd(self.keyspace.nodes, self.node_id))
         # The server keeps this node live until at least one TTL after the renewal was sent.
         self.live_until = sent + self.node_ttl_s
 
@@ -232,67 +224,6 @@ class NodeAgent:
         return await self._live()
 
     # -- hearing invalidations -----------------------------------------------------------
-
-    def _listener_client(self, attempt: int) -> aioredis.Redis:
-        urls = self.conn.listen_urls()  # a cluster's nodes: each attempt tries the next one
-        return aioredis.Redis(
-            connection_pool=aioredis.ConnectionPool.from_url(
-                urls[attempt % len(urls)],
-                max_connections=2,
-                socket_connect_timeout=3.0,
-                socket_timeout=max(self.node_ttl_s, 2.0),  # subscribe and ping are bounded
-                socket_keepalive=True,
-                client_name=f"flightcache-listen:{self.node_id}".replace(" ", "_"),
-            )
-        )
-
-    async def _listen(self) -> None:
-        backoff = 0.1
-        attempt = 0
-        while not self._stopping:
-            if self._pubsub_client is not None:
-                await self._pubsub_client.aclose()
-                await self._pubsub_client.connection_pool.disconnect()
-            self._pubsub_client = self._listener_client(attempt)
-            attempt += 1
-            pubsub = self._pubsub_client.pubsub()
-            try:
-                await pubsub.subscribe(self.keyspace.invalidations)
-                # Anything said while we were not listening is lost: forget every copy.
-                self._forget_all()
-                self._listening.set()
-                backoff = 0.1
-                interval = self.node_ttl_s / 3
-                pinged: float | None = None
-                while not self._stopping:
-                    message = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=interval
-                    )
-                    if message is None:
-                        # A dead connection must not pass for a quiet one: ping, and give up
-                        # on it if the answer has not come by the next quiet interval.
-                        if pinged is not None and self.clock() - pinged > interval:
-                            raise rexc.ConnectionError("no answer to a ping")
-                        if pinged is None:
-                            await pubsub.ping()
-                            pinged = self.clock()
-                    elif message.get("type") == "pong":
-                        pinged = None
-                    elif message.get("type") == "message":
-                        self._heard(message["data"])
-            except (rexc.RedisError, OSError) as exc:
-                self._listening.clear()
-                self._forget_all()  # deaf now: any copy might be invalidated unheard
-                if self._stopping:
-                    return
-                log.warning(
-                    "node %s: invalidation listener lost (%s); reconnecting", self.node_id, exc
-                )
-                await asyncio.sleep(backoff)  # reconnect backoff
-                backoff = min(backoff * 2, 2.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _forget_all(self) -> None:
         if self.near is not None:
