@@ -832,14 +832,6 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="unix:// is broken: the command pools (_backends/redis.py) and the pub/sub "
-    "listeners (_backends/listener.py, _leases/nodes.py) pass socket_keepalive=True for every "
-    "URL, and redis-py's UnixDomainSocketConnection takes no such argument, so the first "
-    "command raises TypeError",
-)
 async def test_unix_socket_urls_work_end_to_end(namespace: str, short_dir: Path) -> None:
     sock = short_dir / "server.sock"
     extra = ("--unixsocket", str(sock), "--unixsocketperm", "700")

@@ -102,8 +102,8 @@ class Listener:
                 max_connections=2,
                 socket_connect_timeout=3.0,
                 socket_timeout=max(self.ping_s, 2.0),  # subscribe and ping are bounded
-                socket_keepalive=True,
                 client_name=self._client_name,
+                **keepalive(urls[attempt % len(urls)]),
             )
         )
 
@@ -171,6 +171,12 @@ class Listener:
                 self._subscribed.clear()
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def keepalive(url: str) -> dict[str, bool]:
+    """TCP keepalive for a TCP URL; a Unix socket has none (redis-py's Unix connection takes
+    no such argument)."""
+    return {} if url.startswith("unix://") else {"socket_keepalive": True}
 
 
 def _text(value: object) -> str:

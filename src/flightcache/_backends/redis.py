@@ -20,7 +20,7 @@ from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
-from .listener import Listener
+from .listener import Listener, keepalive
 
 T = TypeVar("T")
 
@@ -185,9 +185,9 @@ class RedisConnection:
             max_connections=max_connections,
             wait_timeout=connect_timeout + socket_timeout,
             socket_connect_timeout=connect_timeout,
-            socket_keepalive=True,
             client_name=client_name,
             decode_responses=False,
+            **keepalive(url),
         )
         try:
             # Short commands: bounded by the pool's sweeper, not a timer per command.
