@@ -410,7 +410,10 @@ async def test_invalidate_many_runs_at_most_eight_invalidations_at_once(
                 hold=True,
             )
             node = holder.read_report()["node"]
-            assert node in {n.node_id for n in await fc.nodes()}
+            deadline = time.monotonic() + 15  # a loaded machine may register it late
+            while node not in {n.node_id for n in await fc.nodes()}:
+                assert time.monotonic() < deadline, "the holder never became live"
+                await asyncio.sleep(0.05)
             holder.kill(signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
