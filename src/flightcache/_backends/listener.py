@@ -129,10 +129,13 @@ class Listener:
                 self._gap()
                 backoff = 0.1
                 pinged: float | None = None
+                heard = self._clock()
                 while not self._stopping:
                     message = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=self.ping_s
                     )
+                    if message is None and self._clock() - heard < self.ping_s:
+                        continue  # a reply it ignores (SUBSCRIBE's), not a quiet interval
                     if message is None:
                         # A dead connection must not pass for a quiet one: ping, and give up
                         # on it if the answer has not come by the next quiet interval.
@@ -142,6 +145,7 @@ class Listener:
                             await pubsub.ping()
                             pinged = self._clock()
                         continue
+                    heard = self._clock()
                     kind = message.get("type")
                     if kind == "pong":
                         pinged = None

@@ -97,8 +97,14 @@ def _state(reply: list[Any], claim_id: str, sent: float) -> _State:
             sent=sent,
         )
     if kind == ENDED:
-        ended, value, count = reply[1], reply[2], reply[3]
-        return _State(ENDED, ended=ended, value=value or None, count=int(count) if count else None)
+        ended, value, count, crossed = reply[1], reply[2], reply[3], reply[4]
+        return _State(  # last_id: the takeover's claim entry crossed on the way, or b""
+            ENDED,
+            ended=ended,
+            value=value or None,
+            count=int(count) if count else None,
+            last_id=crossed,
+        )
     if kind == FOLLOW:
         return _State(
             FOLLOW,
@@ -312,6 +318,8 @@ class RedisFlights:
                     state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
                     continue
                 if state.kind == ENDED:
+                    if state.last_id:  # it ended after a takeover: chunks started over
+                        job.on_claimed(state.last_id)
                     ended = self._ended(state, job)
                     if ended is None and state.ended == b"done":
                         ended = await self.lookup(fk)  # a value too large to ride the event

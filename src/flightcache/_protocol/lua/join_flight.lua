@@ -31,13 +31,14 @@
 --                                           claimed: with KEYS[7], meta is RUNNING under the
 --                                           new token; without, token is '' and meta is
 --                                           CLAIMING under the claim id. A `claimed` event is
---                                           on the stream, the first entry left on it
---                                           (earlier flights are trimmed), whose id is `entry`.
+--                                           on the stream (entries older than the linger are
+--                                           trimmed), whose id is `entry`.
 --                                           Also the answer to the same claim id sent again
 --                                           (a retry), with the lease it has left
 --         {0, rank}                         vacant and not claimed: not first in the queue
---         {4, type, v, n}                   ended: the newest event after ARGV[10] is a
---                                           `done` or `error` (v, n: its fields, or '')
+--         {4, type, v, n, claim}            ended: the first `done` or `error` after ARGV[10]
+--                                           (v, n: its fields, or ''; claim: the last
+--                                           `claimed` entry before it, '' if none)
 -- include: _wake.lua
 if ARGV[9] ~= '1' or (tonumber(ARGV[11]) or 0) > 0 then
   local value = redis.call('GET', KEYS[1])
@@ -46,6 +47,28 @@ if ARGV[9] ~= '1' or (tonumber(ARGV[11]) or 0) > 0 then
     if ARGV[9] ~= '1' or ttl > tonumber(ARGV[11]) then
       local cost = tonumber(redis.call('GET', KEYS[6]) or '0') or 0
       return {1, value, ttl, redis.call('EXISTS', KEYS[5]), cost}
+    end
+  end
+end
+local function fields_of(entry)
+  local f, out = entry[2], {}
+  for i = 1, #f, 2 do out[f[i]] = f[i + 1] end
+  return out
+end
+if ARGV[10] ~= '' then
+  -- The first end of a flight after the caller's position, read in order: its own
+  -- flight's, or a takeover's (a `claimed` crossed on the way: returned, so a stream
+  -- follower knows the chunks started over). Checked before a running flight: a finished
+  -- flight stays readable to its followers while its entries linger, whatever claims came
+  -- after its end.
+  local after = redis.call('XRANGE', KEYS[4], '(' .. ARGV[10], '+', 'COUNT', 1000)
+  local crossed = ''
+  for _, entry in ipairs(after) do
+    local fields = fields_of(entry)
+    if fields['t'] == 'claimed' then
+      crossed = entry[1]
+    elseif fields['t'] == 'done' or fields['t'] == 'error' then
+      return {4, fields['t'], fields['v'] or '', fields['n'] or '', crossed}
     end
   end
 end
@@ -67,35 +90,33 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
   return {2, token, redis.call('PTTL', KEYS[2]), rank, from}
 end
-if ARGV[10] ~= '' then
-  local tail = redis.call('XREVRANGE', KEYS[4], '+', '(' .. ARGV[10], 'COUNT', 1)
-  if tail[1] then
-    local f = tail[1][2]
-    local fields = {}
-    for i = 1, #f, 2 do fields[f[i]] = f[i + 1] end
-    if fields['t'] == 'done' or fields['t'] == 'error' then
-      return {4, fields['t'], fields['v'] or '', fields['n'] or ''}
-    end
-  end
-end
 if ARGV[3] == 'mine' or (ARGV[3] == 'first' and rank ~= 0) then
   return {0, rank or -1}
 end
--- Vacant: claim it. Claims trim the stream, so its first entry is the previous flight's
--- claim; if the newest entry does not end that flight, its owner died mid-flight: this
--- claim is a takeover and counts as one more attempt.
+-- Vacant: claim it. If the stream's newest entry does not end a flight, the last owner
+-- died (or gave the flight back) mid-flight: this claim is a takeover, one more attempt than
+-- that flight's claim, found by reading back from the newest entry.
 local attempts = 1
-local first = redis.call('XRANGE', KEYS[4], '-', '+', 'COUNT', 1)
 local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-if first[1] and newest[1] then
-  local function fields_of(entry)
-    local f, out = entry[2], {}
-    for i = 1, #f, 2 do out[f[i]] = f[i + 1] end
-    return out
-  end
-  local opened, last = fields_of(first[1]), fields_of(newest[1])
-  if opened['t'] == 'claimed' and last['t'] ~= 'done' and last['t'] ~= 'error' then
-    attempts = (tonumber(opened['a']) or 1) + 1
+if newest[1] then
+  local last = fields_of(newest[1])
+  if last['t'] ~= 'done' and last['t'] ~= 'error' then
+    local cursor = '+'
+    local found = false
+    repeat
+      local batch = redis.call('XREVRANGE', KEYS[4], cursor, '-', 'COUNT', 100)
+      for _, entry in ipairs(batch) do
+        local fields = fields_of(entry)
+        if fields['t'] == 'claimed' then
+          attempts = (tonumber(fields['a']) or 1) + 1
+          found = true
+          break
+        end
+      end
+      if #batch > 0 then
+        cursor = '(' .. batch[#batch][1]
+      end
+    until found or #batch < 100
   end
 end
 local now = redis.call('TIME')
@@ -124,7 +145,10 @@ end
 local fields = {'t', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4]}
 local entry = redis.call('XADD', KEYS[4], '*', unpack(fields))
 wake_add(w, entry, fields)
-redis.call('XTRIM', KEYS[4], 'MINID', entry)
+-- Only entries older than the linger go: an earlier flight's end stays readable to its
+-- slow followers for the linger, as it would have without this claim.
+local linger = tonumber(ARGV[8]) - tonumber(ARGV[5])
+redis.call('XTRIM', KEYS[4], 'MINID', math.max(started - linger, 0))
 redis.call('PEXPIRE', KEYS[4], ARGV[8])
 redis.call('HSET', KEYS[2], 'claimEntry', entry)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
