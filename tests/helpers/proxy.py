@@ -16,10 +16,11 @@ class CuttableProxy:
     """Forwards 127.0.0.1:<port> to a target.
 
     ``cut()`` drops every connection and refuses new ones, like a network partition between
-    its clients and the server, until ``heal()``. ``hold_replies()`` keeps what the server sends back on every
-    connection that has not subscribed to a pub/sub channel (commands reach the server; their
-    answers wait in the proxy) until ``release_replies()``; pub/sub connections keep flowing,
-    so a node still hears messages while its commands' answers are late.
+    its clients and the server, until ``heal()``. ``hold_replies()`` keeps what the server
+    sends back on every connection that has not subscribed to a pub/sub channel (commands
+    reach the server; their answers wait in the proxy) until ``release_replies()``; pub/sub
+    connections keep flowing, so a node still hears messages while its commands' answers
+    are late.
     """
 
     def __init__(self, target_host: str, target_port: int) -> None:
