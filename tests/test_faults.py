@@ -5,13 +5,15 @@ the loader's."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from flightcache import FlightCache, RemoteError
+from flightcache import EmbeddedServer, FlightCache, RemoteError, Tuning
 
 from .helpers.flights import wait_for_flight
+from .helpers.proxy import CuttableProxy
 
 LEASE = 0.5
 
@@ -117,3 +119,110 @@ async def test_a_slow_stream_follower_gets_the_whole_first_stream_not_a_restart(
     finally:
         later.set()
         await second
+
+
+# -- the server's failures are not the loader's ------------------------------------------------
+
+
+@pytest.fixture
+def proxy(server: EmbeddedServer) -> Iterator[CuttableProxy]:
+    p = CuttableProxy(server.host, server.port).start()
+    yield p
+    p.close()
+
+
+async def _owner_and_follower(
+    make_cache: Any, proxy: CuttableProxy, **kw: Any
+) -> tuple[FlightCache, FlightCache]:
+    owner = make_cache(f"redis://127.0.0.1:{proxy.port}/0", **kw)  # through the proxy
+    follower = make_cache(**kw)  # straight to the server
+    await owner.get("warm-up")
+    await follower.get("warm-up")
+    return owner, follower
+
+
+async def test_a_result_written_through_a_short_outage_reaches_everyone_once(
+    make_cache: Any, proxy: CuttableProxy
+) -> None:
+    owner, follower = await _owner_and_follower(make_cache, proxy, lease=3.0)
+    gate = asyncio.Event()
+
+    async def loader() -> str:
+        await gate.wait()
+        return "the value"
+
+    running = asyncio.ensure_future(owner.do("k", loader))
+    await wait_for_flight(follower, "k")
+    followed = asyncio.ensure_future(follower.do("k", loader))
+    await wait_for_flight(follower, "k", followers=1)
+    proxy.cut()  # the owner's complete_flight fails until the server is back
+    gate.set()
+    await asyncio.sleep(0.5)
+    proxy.heal()
+    assert await asyncio.wait_for(running, 10) == "the value"
+    assert await asyncio.wait_for(followed, 10) == "the value"
+    assert owner.stats["loader_runs"] == 1 and follower.stats["loader_runs"] == 0
+    assert owner.stats["loader_errors"] == 0
+
+
+async def test_a_result_the_server_never_takes_goes_to_local_callers_and_is_no_error(
+    make_cache: Any, proxy: CuttableProxy, redis_client: Any
+) -> None:
+    """The server stays out of reach past the failover window: the owner's callers still
+    get the value it computed (fail-open); followers get no error from it, nothing is
+    negative-cached, and they take the flight over once its lease lapses."""
+    owner, follower = await _owner_and_follower(
+        make_cache, proxy, lease=0.6, tuning=Tuning(failover_s=0.5)
+    )
+    gate = asyncio.Event()
+
+    async def owners() -> str:
+        await gate.wait()
+        return "computed by the owner"
+
+    async def followers() -> str:
+        return "computed by the follower"
+
+    running = asyncio.ensure_future(owner.do("k", owners))
+    await wait_for_flight(follower, "k")
+    followed = asyncio.ensure_future(follower.do("k", followers))
+    await wait_for_flight(follower, "k", followers=1)
+    proxy.cut()
+    gate.set()
+    try:
+        assert await asyncio.wait_for(running, 10) == "computed by the owner"
+        assert await asyncio.wait_for(followed, 10) == "computed by the follower"
+    finally:
+        proxy.heal()
+    assert owner.stats["loader_errors"] == 0 and owner.stats["fail_open"] >= 1
+    fk = follower.keyspace.flight("k")
+    assert await redis_client.get(fk.result) == b'j"computed by the follower"'
+
+
+async def test_chunks_appended_through_a_short_outage_reach_every_follower(
+    make_cache: Any, proxy: CuttableProxy
+) -> None:
+    owner, follower = await _owner_and_follower(make_cache, proxy, lease=3.0)
+    gate = asyncio.Event()
+
+    async def produce() -> Any:
+        yield 1
+        await gate.wait()
+        for n in range(2, 6):
+            yield n
+            await asyncio.sleep(0.05)
+
+    async def consume(fc: FlightCache) -> list[Any]:
+        return [chunk async for chunk in fc.stream("s", produce)]
+
+    running = asyncio.ensure_future(consume(owner))
+    await wait_for_flight(follower, "s")
+    followed = asyncio.ensure_future(consume(follower))
+    await wait_for_flight(follower, "s", followers=1)
+    proxy.cut()  # appends fail and are retried
+    gate.set()
+    await asyncio.sleep(0.5)
+    proxy.heal()
+    assert await asyncio.wait_for(running, 10) == [1, 2, 3, 4, 5]
+    assert await asyncio.wait_for(followed, 10) == [1, 2, 3, 4, 5]
+    assert owner.stats["loader_errors"] == 0 and owner.stats["loader_runs"] == 1

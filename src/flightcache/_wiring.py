@@ -127,21 +127,30 @@ def server_parts(shared: Shared, urls: list[str]) -> Parts:
         )
         for conn in conns
     ]
+
+    def fail_open(flights: Flights, url: str) -> FailOpen:
+        return FailOpen(
+            flights,
+            shared.envelope,
+            shared.stats,
+            enabled=settings.fail_open,
+            url=safe_url(url),
+            local_ttl_s=settings.near_lease,
+        )
+
     flights: Flights
+    front: Flights
+    failopen: FailOpen | None = None
     conn_for: Callable[[FlightKeys], RedisConnection] | None = None
     if len(shards) == 1:
         flights = shards[0][1]
-    else:
-        sharded = ShardedFlights(shards)
-        flights, conn_for = sharded, sharded.conn_for
-    failopen = FailOpen(
-        flights,
-        shared.envelope,
-        shared.stats,
-        enabled=settings.fail_open,
-        url=",".join(safe_url(u) for u in urls),
-        local_ttl_s=settings.near_lease,
-    )
+        front = failopen = fail_open(flights, urls[0])
+    else:  # each shard fails open on its own: one down server is not an outage of all
+        sharded = ShardedFlights(
+            [(conn, fail_open(f, url)) for (conn, f), url in zip(shards, urls, strict=True)]
+        )
+        flights = front = sharded
+        conn_for = sharded.conn_for
     near = None
     if settings.near_cache:
         near = NearCache(max_entries=settings.near_max_entries, max_bytes=settings.near_max_bytes)
@@ -165,7 +174,7 @@ def server_parts(shared: Shared, urls: list[str]) -> Parts:
             heard=lambda: agent.seq,
             live_until=lambda: agent.live_until,
         )
-    parts = Parts(flights, failopen, agent, conns, failopen, agent, near, leaser)
+    parts = Parts(flights, front, agent, conns, failopen, agent, near, leaser)
     parts.redis_flights = [f for _, f in shards]
     return parts
 

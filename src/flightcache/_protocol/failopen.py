@@ -22,6 +22,7 @@ from .._types import CallOptions, FlightInfo, Stats
 from .base import Flights, Opening
 from .jobs import Job
 from .memory import MemoryFlights
+from .owner import Undelivered
 
 log = logging.getLogger("flightcache.failopen")
 
@@ -111,19 +112,20 @@ class FailOpen:
         return self.server.prepare(fk)
 
     async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
-        """The server's first read; while it is down, this process's own lookup, for which
-        the server vouches nothing (no time left to lease or to track)."""
+        """The server's first read; while it is known down, this process's own lookup, for
+        which the server vouches nothing (no time left to lease or to track). A first read
+        that fails is not yet an outage: the flight goes on to ``resolve``, which retries
+        through a failover (``Tuning.failover_s``) before this process answers alone."""
         if self.enabled and self.skip_server():
             return Opening(None if opts.refresh else await self.local.lookup(fk))
         try:
             opening = await self.server.begin(fk, opts, handle)
         except PoolExhausted:
             raise  # this process is busy, the server is not down
-        except BackendUnavailable as exc:
+        except BackendUnavailable:
             if not self.enabled:
                 raise
-            self.failed(exc)
-            return Opening(None if opts.refresh else await self.local.lookup(fk))
+            return Opening(None, handle=handle)  # resolve sends the join again, same claim id
         if self.down:
             self.worked()
         return opening
@@ -145,6 +147,13 @@ class FailOpen:
                 result = await self.server.resolve(fk, job, opts, handle)
             except PoolExhausted:
                 raise  # this process is busy, the server is not down
+            except Undelivered as exc:
+                # The loader ran here and its value is in hand; the server would not take
+                # it. This process's callers get it (nobody else can: it is not stored).
+                self.failed(exc)
+                self.stats.fail_open += 1
+                job.lease = None
+                return exc.result
             except BackendUnavailable as exc:
                 self.failed(exc)
             else:

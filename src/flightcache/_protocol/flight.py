@@ -9,128 +9,42 @@ It returns the stored bytes of the result (a value or an error record).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any, cast
 
-from redis.crc import key_slot
-
-from .._backends.redis import RedisConnection, scripts
-from .._codec import NOT_FOUND_TAG, Envelope
+from .._backends.redis import RedisConnection
+from .._codec import Envelope
 from .._config import Tuning
-from .._errors import (
-    BackendUnavailable,
-    FlightError,
-    FlightTimeout,
-    PoolExhausted,
-    SerializationError,
-    ValueTooLarge,
-)
+from .._errors import BackendUnavailable, FlightError, FlightTimeout, PoolExhausted
 from .._keys import FlightKeys, KeySpace
 from .._types import CallOptions, FlightInfo, Stats
 from .base import Opening
-from .heartbeat import Lease, Renewer
+from .follower import Follower
+from .heartbeat import Renewer
 from .jobs import Job
-from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
-from .wakeup import Entry, Waiter, WakeHub, entry_key
-
-LUA = scripts(
-    __package__,
-    "join_flight",
-    "confirm_claim",
-    "renew_leases",
-    "append_chunks",
-    "complete_flight",
-    "fail_flight",
-    "read_result",
+from .owner import Owner, Undelivered
+from .state import (
+    CLAIMED,
+    ENDED,
+    FOLLOW,
+    HIT,
+    LUA,
+    TOKEN_RANDOM_BITS,
+    VACANT,
+    Handle,
+    Lost,
+    State,
+    state_of,
 )
+from .wakeup import WakeHub
+
+__all__ = ["LUA", "RedisFlights", "Undelivered"]
 
 log_claim = logging.getLogger("flightcache.claim")
-log_follow = logging.getLogger("flightcache.follow")
-
-HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4
-TOKEN_RANDOM_BITS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class _State:
-    kind: int
-    value: bytes | None = None
-    token: int = 0
-    lease_left_ms: int = 0
-    rank: int = -1
-    last_id: bytes = b"0-0"
-    claim_id: str = ""
-    since: bytes = b""  # the stream position of the flight this caller last took part in
-    ended: bytes = b""  # ENDED: b"done" or b"error"
-    count: int | None = None  # ENDED: a stream's chunk count
-    sent: float = 0.0  # when the join that answered this was sent (local monotonic clock)
-    ttl_left_ms: int = 0  # HIT: the result's time left
-    leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
-    cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
-
-
-def _state(reply: list[Any], claim_id: str, sent: float) -> _State:
-    kind = int(reply[0])
-    if kind == CLAIMED:  # last_id: the claim's own stream entry; token: '' until confirmed
-        token = int(reply[3]) if reply[3] else 0
-        return _State(
-            CLAIMED,
-            claim_id=claim_id,
-            last_id=reply[2],
-            token=token,
-            sent=sent,
-            lease_left_ms=max(int(reply[4]), 0),
-        )
-    if kind == HIT:
-        return _State(
-            HIT,
-            value=reply[1],
-            ttl_left_ms=int(reply[2]),
-            leasable=not int(reply[3]),
-            cost_ms=int(reply[4]),
-            sent=sent,
-        )
-    if kind == ENDED:
-        ended, value, count, crossed = reply[1], reply[2], reply[3], reply[4]
-        return _State(  # last_id: the takeover's claim entry crossed on the way, or b""
-            ENDED,
-            ended=ended,
-            value=value or None,
-            count=int(count) if count else None,
-            last_id=crossed,
-        )
-    if kind == FOLLOW:
-        return _State(
-            FOLLOW,
-            token=int(reply[1]),
-            lease_left_ms=max(int(reply[2]), 0),
-            rank=int(reply[3]),
-            last_id=reply[4],
-        )
-    return _State(VACANT, rank=int(reply[1]))
-
-
-class _Handle:
-    """One call's part in a flight, from its first join on: the claim id that join sends
-    (sent again, it answers the same claim), its answer, and the call's waiter."""
-
-    __slots__ = ("claim_id", "digest", "state", "waiter")
-
-    def __init__(self, digest: str, claim_id: str) -> None:
-        self.digest = digest
-        self.claim_id = claim_id
-        self.state: _State | None = None
-        self.waiter: Waiter | None = None
-
-
-class _Lost(Exception):
-    """Internal: this process's ownership ended without a result; go back to join."""
 
 
 class RedisFlights:
@@ -158,12 +72,17 @@ class RedisFlights:
         # Where owner-seq lives on this very server, the join takes the token itself.
         self.token_in_join = self.seq_conn is conn and conn.cluster is None
         self.hub = WakeHub(conn.listener, keyspace.wake_prefix + node_id)
-        self.renewer = Renewer(self._renew_batch, clock)
+        self.owner = Owner(conn, envelope, stats, self.tuning, keyspace.wake_prefix, clock)
+        self.follower = Follower(self)
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
 
+    @property
+    def renewer(self) -> Renewer:
+        return self.owner.renewer
+
     async def aclose(self) -> None:
-        await self.renewer.aclose()
+        await self.owner.aclose()
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -206,10 +125,10 @@ class RedisFlights:
 
     # -- the flight ----------------------------------------------------------------------
 
-    def prepare(self, fk: FlightKeys) -> _Handle:
-        return _Handle(fk.digest, secrets.token_hex(8))
+    def prepare(self, fk: FlightKeys) -> Handle:
+        return Handle(fk.digest, secrets.token_hex(8))
 
-    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: _Handle) -> Opening:
+    async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Handle) -> Opening:
         """A call's first read: the join itself (hit, follow, or claimed, with the token
         where owner-seq is on this server). The waiter for the flight's wake-ups is made
         before the join is sent, so no event after the position it returns passes unheard."""
@@ -229,7 +148,7 @@ class RedisFlights:
         handle.state = state
         return Opening(None, handle=handle)
 
-    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: _Handle) -> None:
+    async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Handle) -> None:
         """Nobody waits for this call any more: if its join claimed the flight, give it
         back at once (followers claim without waiting out the lease)."""
         RedisFlights.release(handle)
@@ -238,18 +157,18 @@ class RedisFlights:
                 fk, opts, "mine", refresh=opts.refresh, claim_id=handle.claim_id
             )
             if state.kind == CLAIMED and state.token:
-                await self._give_back(fk, state.token)
+                await self.owner.give_back(fk, state.token)
         except FlightError as exc:  # the claim lapses with its lease
             log_claim.info("flight %s: could not give back an abandoned claim: %s", fk.digest, exc)
 
     @staticmethod
-    def release(handle: _Handle | None) -> None:
+    def release(handle: Handle | None) -> None:
         if handle is not None and handle.waiter is not None:
             handle.waiter.hub.unwatch(handle.waiter)
             handle.waiter = None
 
     async def resolve(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: _Handle | None = None
+        self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Handle | None = None
     ) -> bytes:
         """The stored result of the flight (value, stream or error record), or ``b""`` for a
         stream whose every chunk this process already has. ``handle``: from a ``begin``
@@ -265,11 +184,11 @@ class RedisFlights:
         finally:
             self.release(handle)
 
-    async def _resolve(self, fk: FlightKeys, job: Job, opts: CallOptions, handle: _Handle) -> bytes:
+    async def _resolve(self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Handle) -> bytes:
         deadline = self.clock() + opts.wait_bound_s
         waiter = handle.waiter
         assert waiter is not None
-        state: _State | None = handle.state
+        state: State | None = handle.state
         if state is None:
             state = await self._join(
                 fk, opts, "always", refresh=opts.refresh, claim_id=handle.claim_id
@@ -303,7 +222,7 @@ class RedisFlights:
                 if state.kind == FOLLOW:
                     self.stats.follows += 1
                     job.on_follow(state.last_id)
-                    outcome = await self._follow(fk, job, state, opts, deadline, waiter)
+                    outcome = await self.follower.follow(fk, job, state, opts, deadline, waiter)
                     if isinstance(outcome, bytes):
                         return outcome
                     state, takeover, since = outcome, True, outcome.since or since
@@ -341,12 +260,12 @@ class RedisFlights:
                 if takeover:
                     self.stats.takeovers += 1
                 try:
-                    return await self._own(fk, job, opts, *confirmed)
-                except _Lost:
+                    return await self.owner.run(fk, job, opts, *confirmed)
+                except Lost:
                     state = None
                     takeover = False
-            except PoolExhausted:
-                raise  # this process is overloaded: waiting longer would not help
+            except (PoolExhausted, Undelivered):
+                raise  # overloaded, or a value in hand the server would not take: not a retry
             except BackendUnavailable as exc:
                 # A failover (a cluster master replaced by its replica) or a blip: the flight
                 # may still be fine. Retry from a fresh join for a while, then give up.
@@ -354,7 +273,7 @@ class RedisFlights:
                 outage = now if outage is None else outage
                 if now - outage >= self.tuning.failover_s:
                     raise
-                log_follow.info("flight %s: server unreachable, retrying: %s", fk.digest, exc)
+                log_claim.info("flight %s: server unreachable, retrying: %s", fk.digest, exc)
                 await asyncio.sleep(backoff)  # outage backoff
                 backoff = min(backoff * 2, 1.0)
                 state = None
@@ -362,13 +281,13 @@ class RedisFlights:
             outage, backoff = None, 0.05
 
     @staticmethod
-    def _lease_hit(job: Job, state: _State) -> None:
+    def _lease_hit(job: Job, state: State) -> None:
         """A hit answered by a join: a near cache may lease it (no invalidation marks it)."""
         if state.leasable:
             job.lease = (state.sent, state.ttl_left_ms)
             job.cost_ms = state.cost_ms or None
 
-    def _ended(self, state: _State, job: Job) -> bytes | None:
+    def _ended(self, state: State, job: Job) -> bytes | None:
         """What a caller gets from a flight that ended after its position, if usable."""
         if state.value is not None:  # the error record, or the value inline in `done`
             return state.value
@@ -385,7 +304,7 @@ class RedisFlights:
         refresh: bool = False,
         since: bytes = b"",
         claim_id: str = "",
-    ) -> _State:
+    ) -> State:
         """Hit, follow, or claim (mode 'always', or 'first' in the waiters queue).
 
         ``refresh`` ignores a stored result (only a refresh call's first join: later, a
@@ -422,7 +341,7 @@ class RedisFlights:
                 limit,
             ),
         )
-        return _state(reply, claim_id, sent)
+        return state_of(reply, claim_id, sent)
 
     async def _confirm(
         self, fk: FlightKeys, opts: CallOptions, claim_id: str
@@ -442,297 +361,3 @@ class RedisFlights:
             return None
         log_claim.debug("flight %s: owner with token %d", fk.digest, token)
         return token, sent
-
-    # -- owner ---------------------------------------------------------------------------
-
-    async def _own(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
-    ) -> bytes:
-        self.stats.owning += 1
-        try:
-            return await self._run_owned(fk, job, opts, token, granted_at)
-        finally:
-            self.stats.owning -= 1
-
-    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
-        """One pipeline renewing every lease given: on one server, scripts of up to
-        ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
-        slots), which redis-py's cluster pipeline sends one round trip per node."""
-        groups: dict[int, list[Lease]] = {}
-        if self.conn.cluster is not None:
-            for lease in leases:
-                groups.setdefault(key_slot(lease.args[0].meta.encode()), []).append(lease)
-            batches = list(groups.values())
-        else:
-            size = self.tuning.renew_batch
-            batches = [list(leases[i : i + size]) for i in range(0, len(leases), size)]
-        script = LUA["renew_leases"]
-        calls = []
-        for batch in batches:
-            keys: list[str] = []
-            args: list[Any] = []
-            for lease in batch:
-                fk, token, lease_ms, stream_ttl = lease.args
-                keys += (fk.meta, fk.stream, fk.waiters)
-                args += (token, lease_ms, stream_ttl)
-            calls.append((keys, args))
-        replies = await self.conn.pipeline_script(script, calls)
-        answers = {
-            id(lease): bool(int(ok))
-            for batch, reply in zip(batches, replies, strict=True)
-            for lease, ok in zip(batch, reply, strict=True)
-        }
-        return [answers[id(lease)] for lease in leases]
-
-    async def _run_owned(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
-    ) -> bytes:
-        self.stats.loader_runs += 1
-        ran_from = self.clock()
-        stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
-        chunks = [0]
-        prefix, limit = self._wake
-
-        async def append(first_seq: int, batch: Sequence[bytes]) -> None:
-            written = await self.conn.script(
-                LUA["append_chunks"],
-                fk,
-                (fk.meta, fk.stream, fk.waiters),
-                (token, first_seq, prefix, fk.digest, limit, *batch),
-            )
-            if int(written) != 1:
-                self._fenced(fk, token)
-            chunks[0] = first_seq + len(batch)
-
-        work = asyncio.ensure_future(job.run(append))
-        heartbeat = self.renewer.add(
-            work,
-            lease_s=opts.lease_ms / 1000,
-            digest=fk.digest,
-            granted_at=granted_at,
-            args=(fk, token, opts.lease_ms, stream_ttl),
-        )
-        try:
-            encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
-        except WorkCancelled:
-            self.renewer.remove(heartbeat)
-            if heartbeat.lost:
-                self.stats.lease_lost += 1
-                raise _Lost() from None
-            error = cancelled_loader_error(fk.digest)
-            await self._publish_error(fk, token, error, ttl_ms=0)
-            raise error from None
-        except asyncio.CancelledError:
-            self.renewer.remove(heartbeat)
-            await self._give_back(fk, token)  # we are being closed: let a follower claim now
-            raise
-        except _Lost:
-            self.renewer.remove(heartbeat)  # a fenced append: another owner holds the flight
-            raise
-        except FlightTimeout as exc:
-            self.renewer.remove(heartbeat)
-            self.stats.timeouts += 1
-            await self._publish_error(fk, token, exc, ttl_ms=0)
-            raise
-        except (ValueTooLarge, SerializationError) as exc:
-            self.renewer.remove(heartbeat)
-            await self._publish_error(fk, token, exc, ttl_ms=0)
-            raise
-        except Exception as exc:
-            self.renewer.remove(heartbeat)
-            self.stats.loader_errors += 1
-            ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
-            await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
-            raise
-        self.renewer.remove(heartbeat)
-        if heartbeat.lost:  # the loader finished as the lease was found lost
-            self.stats.lease_lost += 1
-            raise _Lost()
-        small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
-        count = "" if job.inline_ok else str(chunks[0])
-        ttl = opts.not_found_ttl_ms if encoded == NOT_FOUND_TAG else opts.ttl_ms
-        ttl_ms = self._jittered(ttl) if opts.store and ttl > 0 else 0
-        sent = self.clock()
-        written = int(
-            await self.conn.script(
-                LUA["complete_flight"],
-                fk,
-                (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
-                (
-                    token,
-                    encoded,
-                    ttl_ms,
-                    "1" if small else "0",
-                    self.tuning.stream_linger_ms,
-                    count,
-                    int((sent - ran_from) * 1000),  # the loader's cost, for refresh-ahead
-                    prefix,
-                    fk.digest,
-                    limit,
-                ),
-            )
-        )
-        if written == 0:
-            self._fenced(fk, token)
-        job.cost_ms = int((sent - ran_from) * 1000)
-        if written == 1:  # stored (2: delivered only, an invalidation is under way)
-            job.lease = (sent, ttl_ms)
-        return encoded
-
-    def _jittered(self, ttl_ms: int) -> int:
-        jitter = self.tuning.ttl_jitter
-        return max(1, int(ttl_ms * (1 + random.uniform(-jitter, jitter))))
-
-    def _fenced(self, fk: FlightKeys, token: int) -> None:
-        self.stats.fenced_writes += 1
-        log_claim.warning(
-            "flight %s: write with token %d fenced off; following the new owner", fk.digest, token
-        )
-        raise _Lost()
-
-    def _fail_args(
-        self, fk: FlightKeys, token: int, kind: str, record: bytes | str, ttl_ms: int
-    ) -> tuple[Any, ...]:
-        prefix, limit = self._wake
-        return (token, kind, record, ttl_ms, self.tuning.stream_linger_ms, prefix, fk.digest, limit)
-
-    async def _publish_error(
-        self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int
-    ) -> None:
-        record = self.envelope.encode_error(exc)
-        written = await self.conn.script(
-            LUA["fail_flight"],
-            fk,
-            (fk.result, fk.meta, fk.stream, fk.waiters),
-            self._fail_args(fk, token, "error", record, ttl_ms),
-        )
-        if int(written) != 1:
-            self._fenced(fk, token)
-
-    async def _give_back(self, fk: FlightKeys, token: int) -> None:
-        """Best effort on close: release the flight so followers claim without waiting."""
-        try:
-            await asyncio.wait_for(
-                self.conn.script(
-                    LUA["fail_flight"],
-                    fk,
-                    (fk.result, fk.meta, fk.stream, fk.waiters),
-                    self._fail_args(fk, token, "reset", "", 0),
-                ),
-                self.tuning.reset_timeout_s,
-            )
-        except (FlightError, asyncio.TimeoutError) as exc:
-            log_claim.info(
-                "flight %s: could not release on close (%s); lease will lapse", fk.digest, exc
-            )
-
-    # -- follower ------------------------------------------------------------------------
-
-    async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
-        """The flight's stream after ``cursor``: what a follower missed (one short command
-        per ``fetch_count`` entries)."""
-        client = self.conn.client
-        entries: list[Entry] = []
-        while True:
-            batch: Any = await self.conn.run(
-                functools.partial(
-                    client.xrange, fk.stream, b"(" + cursor, b"+", count=self.tuning.fetch_count
-                ),
-                fk,
-            )
-            entries += batch
-            if len(batch) < self.tuning.fetch_count:
-                return entries
-            cursor = batch[-1][0]
-
-    async def _news(self, fk: FlightKeys, waiter: Waiter, cursor: bytes) -> list[Entry]:
-        """The entries after ``cursor`` that the waiter's messages tell of, in order; the
-        stream itself is read when a message is out of step or one may have been lost."""
-        gap, messages = waiter.take()
-        if gap:
-            return await self._read_after(fk, cursor)
-        at = entry_key(cursor)
-        news: list[Entry] = []
-        for prev, entries in messages:
-            if entries and entry_key(entries[-1][0]) <= at:
-                continue  # nothing after the cursor
-            if not entries or entry_key(prev) > at:
-                # A bare hint, or an entry between the cursor and `prev` never arrived.
-                return await self._read_after(fk, cursor)
-            for entry in entries:
-                if entry_key(entry[0]) > at:
-                    news.append(entry)
-            at = entry_key(entries[-1][0])
-            cursor = entries[-1][0]
-        return news
-
-    async def _follow(
-        self,
-        fk: FlightKeys,
-        job: Job,
-        state: _State,
-        opts: CallOptions,
-        deadline: float,
-        waiter: Waiter,
-    ) -> bytes | _State:
-        """Wait for the flight's events until it ends; a _State when the flight fell vacant.
-
-        Events arrive on the wake channel (or, after a gap, from a read of the stream), and
-        only those after the position the join saw are applied, so every event is about
-        this flight: only writes under the then-current token reach the stream (the scripts
-        are fenced), so no token needs checking here. No connection is held while waiting.
-        """
-        margin_s = self.tuning.block_margin_ms / 1000
-        recheck_at = self.clock() + state.lease_left_ms / 1000 + margin_s
-        last_id = state.last_id  # every event that can end this flight comes after it
-        while True:
-            sent = self.clock()
-            if sent >= deadline:
-                raise FlightTimeout(
-                    f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
-                )
-            if await waiter.wait(max(min(recheck_at, deadline) - sent, 0.001)):
-                news = await self._news(fk, waiter, last_id)
-                for entry_id, fields in news:
-                    last_id = entry_id
-                    kind = fields.get(b"t")
-                    if kind == b"claimed":  # past our position: the owner we followed died
-                        log_follow.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
-                        job.on_claimed(entry_id)
-                        continue
-                    if kind == b"chunk":
-                        job.on_chunk(int(fields[b"s"]), fields[b"v"])
-                        continue
-                    if kind == b"done":
-                        count = fields.get(b"n")
-                        if count is not None and job.has_all(int(count)):
-                            return b""  # a stream: every chunk is here already
-                        value = fields.get(b"v")
-                        if value is None:
-                            value = await self.lookup(fk)
-                        elif b"x" in fields:  # stored: a near cache may lease it
-                            job.lease = (sent, int(fields[b"x"]))
-                            job.cost_ms = int(fields.get(b"c", 0)) or None
-                        if value is not None:
-                            return bytes(value)
-                        # the result is gone already (evicted, or a tiny TTL): start over
-                        return await self._join(fk, opts, "always", refresh=opts.refresh)
-                    if kind == b"error":
-                        return bytes(fields.get(b"v", b""))
-                    if kind == b"reset":
-                        now = await self._join(
-                            fk, opts, "first", refresh=opts.refresh, since=entry_id
-                        )
-                        return replace(now, since=entry_id)
-                if news:  # the owner is alive: a whole lease before the next re-check
-                    recheck_at = self.clock() + opts.lease_ms / 1000 + margin_s
-                continue
-            if self.clock() >= deadline:
-                continue  # the wait bound, not the lease, ran out
-            # The wait ran out with no event: is the owner still alive?
-            now = await self._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
-            if now.kind != FOLLOW:
-                return replace(now, since=last_id)
-            job.on_follow(now.last_id)
-            last_id = now.last_id
-            recheck_at = self.clock() + now.lease_left_ms / 1000 + margin_s

@@ -16,8 +16,7 @@ from .._backends.ring import HashRing
 from .._errors import ConfigError
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo
-from .base import Opening
-from .flight import RedisFlights
+from .base import Flights, Opening
 from .jobs import Job
 
 
@@ -37,7 +36,7 @@ def shard_name(url: str) -> str:
 class ShardedFlights:
     """The flight protocol over several servers: each key goes to its ring's server."""
 
-    def __init__(self, shards: list[tuple[RedisConnection, RedisFlights]]) -> None:
+    def __init__(self, shards: list[tuple[RedisConnection, Flights]]) -> None:
         names = [shard_name(conn.url) for conn, _ in shards]
         if len(set(names)) != len(names):
             raise ConfigError(f"the shard list names a server twice: {names}")
@@ -48,8 +47,11 @@ class ShardedFlights:
     def conn_for(self, fk: FlightKeys) -> RedisConnection:
         return self._by_name[self.ring.node_for(fk.digest)][0]
 
-    def _flights(self, fk: FlightKeys) -> RedisFlights:
-        return self._by_name[self.ring.node_for(fk.digest)][1]
+    def _flights(self, fk: FlightKeys) -> Flights:
+        return self._by_digest(fk.digest)
+
+    def _by_digest(self, digest: str) -> Flights:
+        return self._by_name[self.ring.node_for(digest)][1]
 
     async def lookup(self, fk: FlightKeys) -> bytes | None:
         return await self._flights(fk).lookup(fk)
@@ -67,7 +69,8 @@ class ShardedFlights:
         await self._flights(fk).abandon(fk, opts, handle)
 
     def release(self, handle: Any) -> None:
-        RedisFlights.release(handle)
+        if handle is not None:
+            self._by_digest(handle.digest).release(handle)
 
     async def resolve(
         self, fk: FlightKeys, job: Job, opts: CallOptions, handle: Any = None

@@ -1,0 +1,340 @@
+"""The owner's side of a flight: run the loader under its lease, write what it made, fenced.
+
+Every write carries the owner's token and is refused (``Lost``) when the token is no longer
+current. A write the *server* fails (unreachable, or refusing commands) is never the
+loader's failure: it is retried through ``Tuning.failover_s``; a value in hand that still
+cannot be written is handed to this process's callers (``Undelivered``, which fail-open
+turns into an answer), and the flight is given back so followers claim it without waiting
+out the lease. Nothing about it reaches followers as a ``RemoteError`` or is negative-cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.crc import key_slot
+
+from .._backends.redis import RedisConnection
+from .._codec import NOT_FOUND_TAG, Envelope
+from .._config import Tuning
+from .._errors import (
+    BackendUnavailable,
+    FlightError,
+    FlightTimeout,
+    SerializationError,
+    ValueTooLarge,
+)
+from .._keys import FlightKeys
+from .._types import CallOptions, Stats
+from .heartbeat import Lease, Renewer
+from .jobs import Job
+from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from .state import LUA, Lost
+
+T = TypeVar("T")
+
+log = logging.getLogger("flightcache.claim")
+
+
+class Undelivered(BackendUnavailable):
+    """The loader's value is in hand but the server would not take it for a whole failover
+    window: this process's callers may still have it (fail-open); nobody else will."""
+
+    def __init__(self, message: str, result: bytes, *, key: str | None = None) -> None:
+        super().__init__(message, key=key)
+        self.result = result
+
+
+class _ServerFailed(Exception):
+    """Internal: an owner's write failed because of the server (raised through the
+    producer, so it is not taken for the producer's own failure)."""
+
+    def __init__(self, cause: FlightError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class Owner:
+    """Runs owned flights on one server: loader, batched lease renewals, fenced writes."""
+
+    def __init__(
+        self,
+        conn: RedisConnection,
+        envelope: Envelope,
+        stats: Stats,
+        tuning: Tuning,
+        wake_prefix: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conn = conn
+        self.envelope = envelope
+        self.stats = stats
+        self.tuning = tuning
+        self.clock = clock
+        self._wake = (wake_prefix, tuning.inline_max_bytes)
+        self.renewer = Renewer(self._renew_batch, clock)
+
+    async def aclose(self) -> None:
+        await self.renewer.aclose()
+
+    async def run(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
+    ) -> bytes:
+        self.stats.owning += 1
+        try:
+            return await self._run(fk, job, opts, token, granted_at)
+        finally:
+            self.stats.owning -= 1
+
+    # -- writes through a failover --------------------------------------------------------
+
+    async def _write(self, fk: FlightKeys, what: str, send: Callable[[], Awaitable[T]]) -> T:
+        """One owner write, retried while the server is unreachable, for up to
+        ``failover_s``. A write that reached the server before its reply was lost is fenced
+        when sent again (its effects are there: the flight moved on), never applied twice."""
+        started = self.clock()
+        backoff = 0.05
+        while True:
+            try:
+                return await send()
+            except BackendUnavailable as exc:
+                if self.clock() - started >= self.tuning.failover_s:
+                    raise
+                log.info("flight %s: %s failed, retrying: %s", fk.digest, what, exc)
+                await asyncio.sleep(backoff)  # outage backoff
+                backoff = min(backoff * 2, 1.0)
+
+    # -- renewals ------------------------------------------------------------------------
+
+    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
+        """One pipeline renewing every lease given: on one server, scripts of up to
+        ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
+        slots), which redis-py's cluster pipeline sends one round trip per node."""
+        groups: dict[int, list[Lease]] = {}
+        if self.conn.cluster is not None:
+            for lease in leases:
+                groups.setdefault(key_slot(lease.args[0].meta.encode()), []).append(lease)
+            batches = list(groups.values())
+        else:
+            size = self.tuning.renew_batch
+            batches = [list(leases[i : i + size]) for i in range(0, len(leases), size)]
+        calls = []
+        for batch in batches:
+            keys: list[str] = []
+            args: list[Any] = []
+            for lease in batch:
+                fk, token, lease_ms, stream_ttl = lease.args
+                keys += (fk.meta, fk.stream, fk.waiters)
+                args += (token, lease_ms, stream_ttl)
+            calls.append((keys, args))
+        replies = await self.conn.pipeline_script(LUA["renew_leases"], calls)
+        answers = {
+            id(lease): bool(int(ok))
+            for batch, reply in zip(batches, replies, strict=True)
+            for lease, ok in zip(batch, reply, strict=True)
+        }
+        return [answers[id(lease)] for lease in leases]
+
+    # -- the loader ----------------------------------------------------------------------
+
+    async def _run(
+        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
+    ) -> bytes:
+        self.stats.loader_runs += 1
+        ran_from = self.clock()
+        stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
+        chunks = [0]
+        prefix, limit = self._wake
+
+        async def append(first_seq: int, batch: Sequence[bytes]) -> None:
+            def send() -> Awaitable[Any]:
+                return self.conn.script(
+                    LUA["append_chunks"],
+                    fk,
+                    (fk.meta, fk.stream, fk.waiters),
+                    (token, first_seq, prefix, fk.digest, limit, *batch),
+                )
+
+            try:
+                written = await self._write(fk, "appending chunks", send)
+            except FlightError as exc:
+                raise _ServerFailed(exc) from exc
+            if int(written) != 1:
+                self._fenced(fk, token)
+            chunks[0] = first_seq + len(batch)
+
+        work = asyncio.ensure_future(job.run(append))
+        heartbeat = self.renewer.add(
+            work,
+            lease_s=opts.lease_ms / 1000,
+            digest=fk.digest,
+            granted_at=granted_at,
+            args=(fk, token, opts.lease_ms, stream_ttl),
+        )
+        try:
+            encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
+        except WorkCancelled:
+            self.renewer.remove(heartbeat)
+            if heartbeat.lost:
+                self.stats.lease_lost += 1
+                raise Lost() from None
+            error = cancelled_loader_error(fk.digest)
+            await self._publish_error(fk, token, error, ttl_ms=0)
+            raise error from None
+        except asyncio.CancelledError:
+            self.renewer.remove(heartbeat)
+            await self.give_back(fk, token)  # we are being closed: let a follower claim now
+            raise
+        except Lost:
+            self.renewer.remove(heartbeat)  # a fenced append: another owner holds the flight
+            raise
+        except _ServerFailed as failed:
+            # The server, not the producer, failed: nothing is published as an error, and
+            # the flight is given back (if the server takes even that) for another try.
+            self.renewer.remove(heartbeat)
+            await self.give_back(fk, token)
+            raise failed.cause from None
+        except FlightTimeout as exc:
+            self.renewer.remove(heartbeat)
+            self.stats.timeouts += 1
+            await self._publish_error(fk, token, exc, ttl_ms=0)
+            raise
+        except (ValueTooLarge, SerializationError) as exc:
+            self.renewer.remove(heartbeat)
+            await self._publish_error(fk, token, exc, ttl_ms=0)
+            raise
+        except Exception as exc:
+            self.renewer.remove(heartbeat)
+            self.stats.loader_errors += 1
+            ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
+            await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
+            raise
+        self.renewer.remove(heartbeat)
+        if heartbeat.lost:  # the loader finished as the lease was found lost
+            self.stats.lease_lost += 1
+            raise Lost()
+        return await self._complete(fk, job, opts, token, encoded, ran_from, chunks[0])
+
+    async def _complete(
+        self,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        token: int,
+        encoded: bytes,
+        ran_from: float,
+        chunks: int,
+    ) -> bytes:
+        prefix, limit = self._wake
+        small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
+        count = "" if job.inline_ok else str(chunks)
+        ttl = opts.not_found_ttl_ms if encoded == NOT_FOUND_TAG else opts.ttl_ms
+        ttl_ms = self._jittered(ttl) if opts.store and ttl > 0 else 0
+        sent = self.clock()
+        cost_ms = int((sent - ran_from) * 1000)  # the loader's cost, for refresh-ahead
+
+        def send() -> Awaitable[Any]:
+            return self.conn.script(
+                LUA["complete_flight"],
+                fk,
+                (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
+                (
+                    token,
+                    encoded,
+                    ttl_ms,
+                    "1" if small else "0",
+                    self.tuning.stream_linger_ms,
+                    count,
+                    cost_ms,
+                    prefix,
+                    fk.digest,
+                    limit,
+                ),
+            )
+
+        try:
+            written = int(await self._write(fk, "storing the result", send))
+        except BackendUnavailable as exc:
+            raise Undelivered(
+                f"the result could not be written: {exc}", encoded, key=fk.digest
+            ) from exc
+        except FlightError as exc:
+            # The server refused the write (out of memory, say): the value is right, so this
+            # process's callers get it; the flight is given back for the others.
+            log.warning("flight %s: the server refused the result (%s)", fk.digest, exc)
+            await self.give_back(fk, token)
+            return encoded
+        if written == 0:
+            self._fenced(fk, token)
+        job.cost_ms = cost_ms
+        if written == 1:  # stored (2: delivered only, an invalidation is under way)
+            job.lease = (sent, ttl_ms)
+        return encoded
+
+    def _jittered(self, ttl_ms: int) -> int:
+        jitter = self.tuning.ttl_jitter
+        return max(1, int(ttl_ms * (1 + random.uniform(-jitter, jitter))))
+
+    def _fenced(self, fk: FlightKeys, token: int) -> None:
+        self.stats.fenced_writes += 1
+        log.warning(
+            "flight %s: write with token %d fenced off; following the new owner", fk.digest, token
+        )
+        raise Lost()
+
+    def _fail_args(
+        self, fk: FlightKeys, token: int, kind: str, record: bytes | str, ttl_ms: int
+    ) -> tuple[Any, ...]:
+        prefix, limit = self._wake
+        return (token, kind, record, ttl_ms, self.tuning.stream_linger_ms, prefix, fk.digest, limit)
+
+    async def _publish_error(
+        self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int
+    ) -> None:
+        """Tell every follower the loader's error (fenced). If the server fails it, the
+        loader's error still reaches this process's callers (the caller raises it); the
+        followers find the flight vacant at their lease re-check."""
+        record = self.envelope.encode_error(exc)
+
+        def send() -> Awaitable[Any]:
+            return self.conn.script(
+                LUA["fail_flight"],
+                fk,
+                (fk.result, fk.meta, fk.stream, fk.waiters),
+                self._fail_args(fk, token, "error", record, ttl_ms),
+            )
+
+        try:
+            written = await self._write(fk, "publishing the error", send)
+        except FlightError as failed:
+            log.warning(
+                "flight %s: the loader's error could not be published: %s", fk.digest, failed
+            )
+            await self.give_back(fk, token)
+            return
+        if int(written) != 1:
+            self._fenced(fk, token)
+
+    async def give_back(self, fk: FlightKeys, token: int) -> None:
+        """Best effort: release the flight so followers claim without waiting out the lease."""
+        try:
+            await asyncio.wait_for(
+                self.conn.script(
+                    LUA["fail_flight"],
+                    fk,
+                    (fk.result, fk.meta, fk.stream, fk.waiters),
+                    self._fail_args(fk, token, "reset", "", 0),
+                ),
+                self.tuning.reset_timeout_s,
+            )
+        except (FlightError, asyncio.TimeoutError) as exc:
+            log.info(
+                "flight %s: could not give the flight back (%s); its lease will lapse",
+                fk.digest,
+                exc,
+            )
