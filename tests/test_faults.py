@@ -5,7 +5,11 @@ the loader's."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,3 +230,52 @@ async def test_chunks_appended_through_a_short_outage_reach_every_follower(
     assert await asyncio.wait_for(running, 10) == [1, 2, 3, 4, 5]
     assert await asyncio.wait_for(followed, 10) == [1, 2, 3, 4, 5]
     assert owner.stats["loader_errors"] == 0 and owner.stats["loader_runs"] == 1
+
+
+# -- a Cluster failover ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_failover_mid_flight_gives_every_caller_one_value(
+    namespace: str, tmp_path: Path
+) -> None:
+    """3 masters with a replica each; 4 processes x 10 callers on one key, loader 3 s; the
+    master of the key's slot, which is also the node the URL names, is SIGKILLed 0.5 s into
+    the loader. Every caller gets a value, the same one, from at most 2 loader runs (the
+    first owner may lose its lease while the slot has no master), and nobody fails open."""
+    from flightcache._backends.embedded import EmbeddedCluster
+
+    from .helpers.procs import Fleet, markers, wait_for
+    from .test_cluster import _master_of
+
+    with EmbeddedCluster(masters=3, replicas=1) as cluster:
+        key = "the-question"
+        digest = FlightCache("memory://").keyspace.flight(key).digest
+        master = _master_of(cluster, f"{{{digest}}}")
+        cfg = {
+            "url": f"redis+cluster://127.0.0.1:{master.port}",
+            "namespace": namespace,
+            "key": key,
+            "markers": str(tmp_path),
+            "callers": 10,
+            "loader_s": 3.0,
+            "lease": 3.0,
+            "start_at": time.monotonic() + 2.0,
+        }
+        with Fleet() as fleet:
+            workers = [fleet.start(f"w{i}", **cfg) for i in range(4)]
+            wait_for(lambda: markers(tmp_path, "start"), 30, "the first loader to start")
+            time.sleep(0.5)
+            os.kill(master.pid, signal.SIGKILL)
+            assert master.proc is not None
+            master.proc.wait(5)
+            reports = [w.wait(90) for w in workers]
+    assert all(rep is not None for rep in reports)
+    results = [r for rep in reports if rep for r in rep["results"]]
+    assert len(results) == 40
+    errors = [r for r in results if "pid" not in r]
+    assert not errors, errors[:3]
+    assert len({r["pid"] for r in results}) == 1, {r["pid"] for r in results}
+    stats = [rep["stats"] for rep in reports if rep]
+    assert sum(s["loader_runs"] for s in stats) <= 2, [s["loader_runs"] for s in stats]
+    assert sum(s["fail_open"] for s in stats) == 0
