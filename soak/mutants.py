@@ -1,0 +1,43 @@
+"""Deliberately broken builds, for showing that the checker catches what it claims.
+
+A mutant edits the text of the library's Lua scripts in the worker process before the
+``FlightCache`` is created (the scripts are ``Script`` objects whose ``.text`` is what gets
+loaded and registered); no source file changes. Only the soak's workers apply them, and
+only when asked with ``--mutant``.
+"""
+
+from __future__ import annotations
+
+import re
+
+# The fence every owner write starts with: refuse unless the caller's token is meta's.
+FENCE = re.compile(
+    r"if redis\.call\('HGET', KEYS\[2\], 'ownerToken'\) ~= ARGV\[1\] then\s*return 0\s*end\s*"
+)
+# renew_leases checks the token of each flight in its loop instead.
+RENEW_FENCE = "if redis.call('HGET', meta, 'ownerToken') == ARGV[3 * i - 2] then"
+
+MUTANTS = {
+    "skip-fence": "complete_flight writes without checking the owner's token",
+    "skip-fences": "complete_flight and renew_leases ignore the owner's token",
+}
+
+
+def apply(name: str) -> None:
+    """Patch the scripts of mutant ``name``; raises if a script no longer has the text the
+    mutant removes (the library changed: the mutant must be brought up to date)."""
+    from flightcache._protocol import flight
+
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    complete = flight.LUA["complete_flight"]
+    text, found = FENCE.subn("", complete.text, count=1)
+    if not found:
+        raise RuntimeError("mutant skip-fence: complete_flight has no token check to remove")
+    complete.text = text
+    if name == "skip-fences":
+        renew = flight.LUA["renew_leases"]
+        if RENEW_FENCE not in renew.text:
+            raise RuntimeError("mutant skip-fences: renew_leases has no token check to remove")
+        # Renew whatever meta exists (or nothing): a stale owner keeps its lease "alive".
+        renew.text = renew.text.replace(RENEW_FENCE, "if true then")
