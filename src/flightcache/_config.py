@@ -66,6 +66,9 @@ SCHEMES: dict[str, Scheme] = {
     "rediss://": Scheme("server", shardable=True),
     "unix://": Scheme("server", shardable=True),
     "redis+cluster://": Scheme("server"),  # Redis/Valkey Cluster, by any one of its nodes
+    # The master that Redis Sentinel names, by the sentinels (_backends/sentinel.py)
+    "redis+sentinel://": Scheme("server"),
+    "rediss+sentinel://": Scheme("server"),
     "memory://": Scheme("memory"),
     "embedded://": Scheme("embedded"),
 }
@@ -85,27 +88,27 @@ def _either(prefixes: Iterable[str]) -> str:
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
-SECRET_PARAMS = {"password", "pass", "pwd", "secret", "token"}
+SECRET_PARAMS = {"password", "pass", "pwd", "secret", "token", "sentinel_password"}
 
 
 def safe_url(url: str) -> str:
     """The URL with any password replaced, fit for logs and error messages.
 
     The password may sit before the ``@`` or in the query (``?password=``, the form redis-py
-    documents for ``unix://``); both are masked. A URL that does not parse shows as such.
+    documents for ``unix://``; ``?sentinel_password=``); all are masked. The hosts may be a
+    list (``host:port,host:port``, a sentinel URL's). A URL that does not parse shows as such.
     """
     try:
         parts = urlsplit(url)
-        port = parts.port
+        userinfo, at, hosts = parts.netloc.rpartition("@")
+        for host in hosts.split(","):
+            urlsplit(f"//{host}").port  # noqa: B018 (raises ValueError for a bad port)
         query = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:
         return "<unparsable url>"
     netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     masked = [(k, "***" if k.lower() in SECRET_PARAMS else v) for k, v in query]
     return urlunsplit((parts.scheme, netloc, parts.path, urlencode(masked, safe="*"), ""))
 

@@ -1,7 +1,9 @@
 """A private Redis-compatible server started from the bundled ``valkey-server`` binary.
 
 Used by ``embedded://`` URLs, the demo and the test suite. The server listens on a free
-loopback port, keeps nothing on disk, and is stopped by its own pid.
+loopback port, keeps nothing on disk, and is stopped by its own pid. Test topologies are
+built from such servers: a Cluster (``EmbeddedCluster``) and a master with a replica under
+three sentinels (``EmbeddedSentinel``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .._errors import BackendUnavailable, ConfigError
 
@@ -75,27 +78,31 @@ class EmbeddedServer:
             raise RuntimeError("server not started")
         return self.proc.pid
 
+    def _command(self, directory: str) -> list[str]:
+        """The command line that starts the server on ``self.port``."""
+        return [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            directory,
+            "--logfile",
+            os.path.join(directory, "server.log"),
+            *self.extra_args,
+        ]
+
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         self._dir = tempfile.mkdtemp(prefix="flightcache-server-")
         for _attempt in range(5):
             self.port = self.fixed_port or free_port(self.host)
             self.proc = subprocess.Popen(
-                [
-                    self.binary,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    self.host,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    self._dir,
-                    "--logfile",
-                    os.path.join(self._dir, "server.log"),
-                    *self.extra_args,
-                ],
+                self._command(self._dir),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -116,7 +123,7 @@ class EmbeddedServer:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: a password
                         return True
             except OSError:
                 pass
@@ -256,6 +263,209 @@ class EmbeddedCluster:
             server.stop()
 
     def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SentinelProcess(EmbeddedServer):
+    """One sentinel (``<binary> <conf> --sentinel``) watching ``service`` at ``master``."""
+
+    def __init__(
+        self,
+        *,
+        master: EmbeddedServer,
+        service: str,
+        binary: str | None = None,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
+        super().__init__(binary=binary, host=master.host)
+        self.master = master
+        self.service = service
+        self.password = password
+        self.sentinel_password = sentinel_password
+
+    def _command(self, directory: str) -> list[str]:
+        svc = self.service
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            f"dir {directory}",
+            f"logfile {os.path.join(directory, 'server.log')}",
+            # Quorum 2 of 3; a master silent for a second is down; a failover may take 2 s.
+            f"sentinel monitor {svc} {self.master.host} {self.master.port} 2",
+            f"sentinel down-after-milliseconds {svc} 1000",
+            f"sentinel failover-timeout {svc} 2000",
+        ]
+        if self.password:
+            lines.append(f"sentinel auth-pass {svc} {self.password}")
+        if self.sentinel_password:  # clients and the other sentinels must authenticate
+            lines += [
+                f"requirepass {self.sentinel_password}",
+                f"sentinel sentinel-pass {self.sentinel_password}",
+            ]
+        conf = Path(directory, "sentinel.conf")  # a sentinel rewrites its config file
+        conf.write_text("\n".join(lines) + "\n")
+        return [self.binary, str(conf), "--sentinel"]
+
+
+class EmbeddedSentinel:
+    """A Redis Sentinel topology of private servers: one master, one replica, and three
+    sentinels watching them as ``service`` (quorum 2, a master down after 1 s), all on free
+    loopback ports and stopped by their pids. ``start()`` returns once the sentinels know
+    each other and the replica (so that a failover can happen) and the replica is in sync.
+
+    ``password`` protects the servers, ``sentinel_password`` the sentinels; ``url`` names
+    the topology with both. With ``FLIGHTCACHE_SERVER_BIN`` pointing at Debian's
+    ``redis-server``, the same topology runs Redis instead of Valkey.
+    """
+
+    def __init__(
+        self,
+        *,
+        service: str = "flightcache",
+        binary: str | None = None,
+        password: str | None = None,
+        sentinel_password: str | None = None,
+        sentinels: int = 3,
+    ) -> None:
+        self.binary = binary or server_binary()
+        self.service = service
+        self.password = password
+        self.sentinel_password = sentinel_password
+        auth = ("--requirepass", password, "--masterauth", password) if password else ()
+        sync = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
+        self.servers = [EmbeddedServer(binary=self.binary, extra_args=(*auth, *sync))]
+        self.sentinels: list[SentinelProcess] = []
+        self._count = sentinels
+        self._auth_sync = (*auth, *sync)
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://`` naming the sentinels and the service (db 0)."""
+        auth = f":{self.password}@" if self.password else ""
+        hosts = ",".join(f"{s.host}:{s.port}" for s in self.sentinels)
+        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"redis+sentinel://{auth}{hosts}/{self.service}/0{query}"
+
+    def start(self, timeout: float = 30.0) -> EmbeddedSentinel:
+        try:
+            master = self.servers[0].start()
+            replica = EmbeddedServer(
+                binary=self.binary,
+                extra_args=(*self._auth_sync, "--replicaof", master.host, str(master.port)),
+            )
+            self.servers.append(replica)
+            replica.start()
+            for _ in range(self._count):
+                sentinel = SentinelProcess(
+                    master=master,
+                    service=self.service,
+                    binary=self.binary,
+                    password=self.password,
+                    sentinel_password=self.sentinel_password,
+                )
+                self.sentinels.append(sentinel)
+                sentinel.start()
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _client(self, server: EmbeddedServer) -> Any:
+        import redis
+
+        is_sentinel = isinstance(server, SentinelProcess)
+        return redis.Redis(
+            host=server.host,
+            port=server.port,
+            password=self.sentinel_password if is_sentinel else self.password,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            decode_responses=True,
+        )
+
+    def ask(self, server: EmbeddedServer, *command: str) -> Any:
+        """One command to one server or sentinel, answered (``redis.Redis``, decoded)."""
+        client = self._client(server)
+        try:
+            return client.execute_command(*command)
+        finally:
+            client.close()
+
+    def _wait_ready(self, timeout: float) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        others = self._count - 1
+        state = "nothing asked yet"
+        while time.monotonic() < deadline:
+            try:
+                replication = self.ask(self.servers[1], "INFO", "replication")
+                synced = replication.get("master_link_status") == "up"
+                known = [
+                    (
+                        len(self.ask(s, "SENTINEL", "SENTINELS", self.service)),
+                        len(self.ask(s, "SENTINEL", "REPLICAS", self.service)),
+                    )
+                    for s in self.sentinels
+                ]
+                state = f"replica synced: {synced}; (sentinels, replicas) known: {known}"
+                if synced and all(k == (others, 1) for k in known):
+                    return
+            except (redis.RedisError, OSError) as exc:
+                state = repr(exc)
+            time.sleep(0.1)
+        raise BackendUnavailable(f"the Sentinel topology did not come up: {state}")
+
+    def master(self) -> EmbeddedServer:
+        """The server the sentinels name as the master now."""
+        host, port = self.master_address()
+        return next(s for s in self.servers if (s.host, s.port) == (host, port))
+
+    def master_address(self) -> tuple[str, int]:
+        """The master's address, as the first sentinel that answers names it."""
+        import redis
+
+        for sentinel in self.sentinels:
+            try:
+                host, port = self.ask(sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+                return str(host), int(port)
+            except (redis.RedisError, OSError, TypeError, ValueError):
+                continue
+        raise BackendUnavailable("no sentinel named a master")
+
+    def wait_for_new_master(self, old: tuple[str, int], timeout: float = 30.0) -> float:
+        """Poll until every live sentinel names a master other than ``old``; the time it
+        took, in seconds."""
+        import redis
+
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            named = set()
+            for sentinel in self.sentinels:
+                if sentinel.proc is None or sentinel.proc.poll() is not None:
+                    continue
+                try:
+                    host, port = self.ask(
+                        sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service
+                    )
+                    named.add((str(host), int(port)))
+                except (redis.RedisError, OSError, TypeError, ValueError):
+                    named.add(old)
+            if named and old not in named:
+                return time.monotonic() - started
+            time.sleep(0.02)
+        raise BackendUnavailable(f"the sentinels still name {old} after {timeout} s")
+
+    def stop(self) -> None:
+        for process in [*self.sentinels, *self.servers]:
+            process.stop()
+
+    def __enter__(self) -> EmbeddedSentinel:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

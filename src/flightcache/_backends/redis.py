@@ -15,12 +15,16 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 
 from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
 from .listener import Listener, keepalive
+from .sentinel import SENTINEL_SCHEMES, SentinelURL, parse_sentinel_url
 
 T = TypeVar("T")
 
@@ -106,12 +110,42 @@ class BoundedPool(aioredis.ConnectionPool):
                     await connection.disconnect(nowait=True)
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
-        if self._sweeper is not None:
+        # Only closing the pool stops the sweeper: dropping the idle connections (a sentinel
+        # pool's, when the master moved) leaves the ones in use to watch.
+        if inuse_connections and self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
         await super().disconnect(inuse_connections)
+
+
+class SentinelPool(BoundedPool, SentinelConnectionPool):
+    """A :class:`BoundedPool` of connections to the master Redis Sentinel names.
+
+    redis-py's ``SentinelConnectionPool`` does the following: each new connection asks the
+    sentinels for the master's address first; a changed address drops the idle connections
+    to the old one; a ``READONLY`` reply (the old master came back as a replica) drops the
+    connection it came on and fails as a ConnectionError. So after a failover every command
+    fails at most once per pooled connection (BackendUnavailable, which flights retry) and
+    the next connection reaches the new master. ``heard`` is told every address named.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        manager: Sentinel,
+        *,
+        heard: Callable[[tuple[str, int]], None],
+        **kwargs: Any,
+    ) -> None:
+        self._heard = heard
+        super().__init__(service_name=service, sentinel_manager=manager, **kwargs)
+
+    async def get_master_address(self) -> Any:
+        address = await super().get_master_address()  # type: ignore[no-untyped-call]
+        self._heard(address)
+        return address
 
 
 INCLUDE = "-- include: "
@@ -146,8 +180,12 @@ class RedisConnection:
     """One redis-py asyncio client plus the registered scripts, with errors mapped.
 
     Every call goes through :meth:`run`, which counts commands and turns driver errors into
-    :class:`BackendUnavailable` (connection trouble, URL without password) or
-    :class:`ConfigError` (a foreign value of the wrong type at one of our keys).
+    :class:`BackendUnavailable` (connection trouble, URL without password, no master named
+    by the sentinels) or :class:`ConfigError` (a foreign value of the wrong type at one of
+    our keys). The URL picks the client: one server (``redis://``, ``rediss://``,
+    ``unix://``), a Cluster (``redis+cluster://``), or the master that Redis Sentinel names
+    (``redis+sentinel://``, ``rediss+sentinel://``: :class:`SentinelPool`; the listener is
+    pointed at the master the sentinels named last, and asks them again on each reconnect).
     """
 
     def __init__(
@@ -166,6 +204,11 @@ class RedisConnection:
         self.stats = stats
         self.socket_timeout = socket_timeout
         self.cluster: Any = None
+        self.sentinel: SentinelURL | None = None
+        self._sentinels: Sentinel | None = None
+        self._master: tuple[str, int] | None = None  # the master the sentinels named last
+        self._ask_sentinels = asyncio.Event()  # the listener wants a fresh master address
+        self._tracker: asyncio.Task[None] | None = None
         self._gate: asyncio.Semaphore | None = None  # a Cluster's bounded wait for a turn
         self._preload: list[Script] = []
         self._wait_timeout = connect_timeout + socket_timeout
@@ -189,18 +232,59 @@ class RedisConnection:
             decode_responses=False,
             **keepalive(url),
         )
-        try:
-            # Short commands: bounded by the pool's sweeper, not a timer per command.
-            pool = BoundedPool.from_url(
-                url, op_timeout=socket_timeout, socket_timeout=None, **common
-            )
-            # XREAD BLOCK: one connection per followed flight, bounded by redis-py's timeout.
-            blocking_pool = BoundedPool.from_url(url, socket_timeout=socket_timeout, **common)
-        except ValueError as exc:
-            raise ConfigError(f"bad Redis URL {self.safe_url}: {exc}") from exc
+        pool: BoundedPool
+        blocking_pool: BoundedPool
+        if url.startswith(SENTINEL_SCHEMES):
+            pool, blocking_pool = self._sentinel_pools(url, common, socket_timeout, connect_timeout)
+        else:
+            try:
+                # Short commands: bounded by the pool's sweeper, not a timer per command.
+                pool = BoundedPool.from_url(
+                    url, op_timeout=socket_timeout, socket_timeout=None, **common
+                )
+                # XREAD BLOCK: one connection per followed flight, bounded by redis-py's timeout.
+                blocking_pool = BoundedPool.from_url(url, socket_timeout=socket_timeout, **common)
+            except ValueError as exc:
+                raise ConfigError(f"bad Redis URL {self.safe_url}: {exc}") from exc
         self.client: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking_pool)
         self.scripts: dict[str, Any] = {}
+
+    def _sentinel_pools(
+        self, url: str, common: dict[str, Any], socket_timeout: float, connect_timeout: float
+    ) -> tuple[SentinelPool, SentinelPool]:
+        """Redis Sentinel: the two pools of the plain case, their connections made to the
+        master the sentinels name (one ``Sentinel`` client, asked by both)."""
+        self.sentinel = parsed = parse_sentinel_url(url)
+        self._sentinels = sentinels = Sentinel(  # type: ignore[no-untyped-call]
+            parsed.sentinels,
+            sentinel_kwargs=dict(
+                # A sentinel answers at once or is skipped for the next one; no retries
+                # (redis-py's default retries a refused connection ten times).
+                socket_connect_timeout=connect_timeout,
+                socket_timeout=connect_timeout,
+                socket_keepalive=True,
+                retry=Retry(NoBackoff(), 0),
+                **parsed.sentinel,
+            ),
+        )
+        options = {**common, **parsed.server}  # the URL's options win, as in from_url
+        heard = self._heard_master
+        return (
+            SentinelPool(
+                parsed.service,
+                sentinels,
+                heard=heard,
+                op_timeout=socket_timeout,
+                **{"socket_timeout": None, **options},
+            ),
+            SentinelPool(
+                parsed.service,
+                sentinels,
+                heard=heard,
+                **{"socket_timeout": socket_timeout, **options},
+            ),
+        )
 
     def _init_cluster(
         self,
@@ -234,7 +318,10 @@ class RedisConnection:
     async def open(self) -> None:
         """Connect before the first command (a cluster client must learn its slots first:
         concurrent first commands on a fresh cluster client race in redis-py)."""
-        self.listener.start()
+        if self.sentinel is None:
+            self.listener.start()
+        elif self._tracker is None:  # the listener starts once the sentinels named a master
+            self._tracker = asyncio.get_running_loop().create_task(self._track_master())
         if self.cluster is not None:
             await self.run(self.cluster.initialize)
         if self._preload:
@@ -264,7 +351,13 @@ class RedisConnection:
 
     def listen_urls(self) -> list[str]:
         """Plain URLs of the servers a pub/sub listener may use (any node of a cluster
-        hears every PUBLISH)."""
+        hears every PUBLISH; under Sentinel, the master)."""
+        if self.sentinel is not None:
+            # Asked on every reconnect: ask the sentinels again, so that the next attempt
+            # goes where they say the master is now (a failover moved it, say).
+            self._ask_sentinels.set()
+            assert self._master is not None  # the listener starts once one was named
+            return [self.sentinel.server_url(*self._master)]
         if self.cluster is None:
             return [self.url]
         parts = urlsplit("redis://" + self.url[len(CLUSTER_SCHEME) :])
@@ -275,6 +368,41 @@ class RedisConnection:
             urls.append(urlunsplit(("redis", netloc, "/0", parts.query, "")))
         # Before the cluster client knew its nodes: the node the URL names.
         return urls or [urlunsplit(("redis", parts.netloc, "/0", parts.query, ""))]
+
+    def _heard_master(self, named: tuple[str, int]) -> None:
+        """The sentinels named ``named`` as the master (for a new connection, or asked)."""
+        address = (str(named[0]), int(named[1]))
+        if self._master is not None and self._master != address:
+            log.warning(
+                "Redis Sentinel %s: the master moved from %s:%s to %s:%s",
+                self.safe_url,
+                *self._master,
+                *address,
+            )
+        self._master = address
+
+    async def _track_master(self) -> None:
+        """Sentinel: ask the sentinels for the master whenever the listener wants it (on
+        each of its reconnects), retrying until they name one; the listener starts with the
+        first master named. (Short commands ask on their own: each new pooled connection.)"""
+        assert self._sentinels is not None and self.sentinel is not None
+        backoff = 0.1
+        self._ask_sentinels.set()
+        while True:
+            await self._ask_sentinels.wait()
+            try:
+                address = await self._sentinels.discover_master(self.sentinel.service)
+            except (rexc.RedisError, OSError) as exc:
+                (log.info if isinstance(exc, rexc.ConnectionError) else log.warning)(
+                    "Redis Sentinel %s names no master now: %s", self.safe_url, str(exc)[:200]
+                )
+                await asyncio.sleep(backoff)  # sentinel retry backoff
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            self._ask_sentinels.clear()
+            self._heard_master(address)
+            self.listener.start()  # once; later rounds only refresh the address
 
     async def run(self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None) -> T:
         self.stats.commands += 1
@@ -379,6 +507,11 @@ class RedisConnection:
         return await self.run(send)
 
     async def aclose(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tracker
         await self.listener.aclose()
         if self.cluster is not None:
             await self.cluster.aclose()
@@ -386,3 +519,5 @@ class RedisConnection:
         for client in (self.client, self.blocking):
             await client.aclose()
             await client.connection_pool.disconnect()  # a pool we made is ours to close
+        if self._sentinels is not None:
+            await self._sentinels.aclose()
