@@ -279,3 +279,116 @@ def test_a_cluster_failover_mid_flight_gives_every_caller_one_value(
     stats = [rep["stats"] for rep in reports if rep]
     assert sum(s["loader_runs"] for s in stats) <= 2, [s["loader_runs"] for s in stats]
     assert sum(s["fail_open"] for s in stats) == 0
+
+
+# -- smaller faults ------------------------------------------------------------------------------
+
+
+async def test_an_invalidation_cancelled_after_its_delete_still_reaches_every_holder(
+    make_cache: Any, redis_client: Any
+) -> None:
+    """The caller of ``invalidate`` gives up right after the delete: the other nodes are
+    still told (they drop their copies long before their leases end), and the marker ends
+    once they acknowledged."""
+    holder = make_cache(near_lease=30.0)
+    invalidator = make_cache(near_lease=30.0)
+    await invalidator.set("k", "old", ttl=600)
+    assert await holder.get("k") == "old"  # leased for 30 s
+    fk = invalidator.keyspace.flight("k")
+    task = asyncio.ensure_future(invalidator.invalidate("k"))
+    while await redis_client.exists(fk.result):  # noqa: ASYNC110 (the server's state)
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    t0 = time.monotonic()
+    while await holder.get("k") == "old":
+        assert time.monotonic() - t0 < 10, "the holder kept serving the old value"
+        await asyncio.sleep(0.01)
+    while await redis_client.exists(fk.marker):
+        assert time.monotonic() - t0 < 10, "the marker outlived the acknowledgements"
+        await asyncio.sleep(0.01)
+
+
+def test_each_refresh_ahead_call_scales_the_draw_with_its_own_beta() -> None:
+    """Two keys read alike, asked with very different betas: the large beta makes its key
+    due long before expiry, the small one leaves its key alone (one beta per call, not one
+    shared by every key)."""
+    from flightcache._protections.ahead import RefreshAhead
+
+    now = [100.0]
+    ahead = RefreshAhead(clock=lambda: now[0])
+    for key in ("eager", "lazy"):
+        ahead.saw(key, sent=100.0, ttl_left_ms=10_000, cost_ms=100)  # expires at 110
+    now[0] = 105.0  # 5 s before expiry, 50 costs ahead
+    assert ahead.due("eager", 1e6) is not None
+    assert ahead.due("lazy", 1e-6) is None
+
+
+async def test_one_server_of_a_sharded_list_down_fails_open_only_its_own_keys(
+    namespace: str,
+) -> None:
+    from flightcache._backends.ring import HashRing
+
+    with EmbeddedServer() as up, EmbeddedServer() as down:
+        urls = [up.url, down.url]
+        fc = FlightCache(
+            urls,
+            namespace=namespace,
+            tuning=Tuning(failover_s=0.3),
+            socket_timeout=1.0,
+            near_cache=False,
+        )
+        try:
+            await fc.get("warm-up")
+            ring = HashRing([f"127.0.0.1:{up.port}", f"127.0.0.1:{down.port}"])
+            keys = {ring.node_for(fc.keyspace.flight(f"k{i}").digest): f"k{i}" for i in range(50)}
+            on_up, on_down = keys[f"127.0.0.1:{up.port}"], keys[f"127.0.0.1:{down.port}"]
+            down.stop()
+
+            async def loader() -> str:
+                return "v"
+
+            assert await fc.do(on_down, loader) == "v"  # answered here: its server is gone
+            assert fc.stats["fail_open"] == 1
+            assert await fc.do(on_up, loader) == "v"  # still through its own server
+            assert fc.stats["fail_open"] == 1
+            fk = fc.keyspace.flight(on_up)
+            import redis.asyncio as aioredis
+
+            admin = aioredis.Redis.from_url(up.url)
+            try:
+                assert await admin.get(fk.result) == b'j"v"'
+            finally:
+                await admin.aclose()
+        finally:
+            await fc.aclose()
+
+
+async def test_a_result_the_server_refuses_goes_to_local_callers_and_is_no_loader_error(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """The server refuses the result's write (out of memory): the owner's callers still get
+    the loader's value, which is not counted as the loader's error."""
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(private_server.url)
+    owner = FlightCache(private_server.url, namespace=namespace, near_cache=False)
+    gate = asyncio.Event()
+
+    async def loader() -> str:
+        await gate.wait()
+        return "x" * 10_000
+
+    try:
+        running = asyncio.ensure_future(owner.do("k", loader))
+        await wait_for_flight(owner, "k")
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", "1")  # every write is refused from now on
+        gate.set()
+        assert await asyncio.wait_for(running, 10) == "x" * 10_000
+        assert owner.stats["loader_errors"] == 0 and owner.stats["loader_runs"] == 1
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await owner.aclose()
+        await admin.aclose()

@@ -146,12 +146,13 @@ class NodeAgent:
         self.started = clock()
         self.seq = 0  # invalidations heard (and reconnects): a read that saw it move is not leased
         self._tasks: list[asyncio.Task[None]] = []
-        self._acks: set[asyncio.Task[None]] = set()
+        self._acks: set[asyncio.Task[Any]] = set()  # acknowledgements, invalidations under way
         if near is not None:  # invalidations arrive on the connection's one listener
             conn.listener.add(keyspace.invalidations, self._heard, self._forget_all)
         # Until when the live set surely lists this node: a near-cache copy must not be
         # trusted past it, or an invalidation could stop waiting for a node still serving.
         self.live_until = clock()
+        self._longest_s = self.near_lease_s  # the longest near-cache lease heard of
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -264,15 +265,17 @@ class NodeAgent:
 
     async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
         """Delete (``data`` None) or replace the stored result, then make sure no node
-        keeps serving the old one: acknowledgements, or the longest lease lapsing."""
+        keeps serving the old one: acknowledgements, or the longest lease lapsing.
+
+        Once the delete is done, the rest runs to its end even if the caller is cancelled
+        (other nodes must still hear of it, and the marker end when they have)."""
         started = self.clock()
         if self.near is not None:
             self.near.drop(fk.digest)
         self.seq += 1
-        live = await self._live()
-        holders = {n.node_id for n in live if n.lease_ms > 0 and n.node_id != self.node_id}
-        longest_s = max([self.near_lease_s, *(n.lease_ms / 1000 for n in live)])
-        wait_s = longest_s + self.skew_margin_s
+        # The longest lease any node could hold, as far as this node has heard (its own, and
+        # every live node's it has read): the marker lasts that long, from before the delete.
+        wait_s = self._longest_s + self.skew_margin_s
         invalidation = os.urandom(8).hex()
         conn = self.conn_for(fk)
         existed = await conn.script(
@@ -285,11 +288,53 @@ class NodeAgent:
         deadline = self.clock() + wait_s
         if data is None and not int(existed):
             return Invalidation("absent", 0, 0, self.clock() - started)
+        work = asyncio.ensure_future(
+            self._outwait(fk, conn, invalidation, started, deadline, wait_s)
+        )
+        self._acks.add(work)
+        work.add_done_callback(self._acks.discard)
+        return await asyncio.shield(work)
+
+    async def _outwait(
+        self,
+        fk: FlightKeys,
+        conn: RedisConnection,
+        invalidation: str,
+        started: float,
+        deadline: float,
+        wait_s: float,
+    ) -> Invalidation:
+        # Who may hold the old value is read after the delete: a node that leased it was
+        # live then (it leases only while its own liveness lease holds, which the server's
+        # outlasts), so it is listed; a node that joins later reads after the marker, and
+        # a marked read is not leased.
+        live = await self._live()
+        longest_s = max([self._longest_s, *(n.lease_ms / 1000 for n in live)])
+        self._longest_s = longest_s
+        if longest_s + self.skew_margin_s > wait_s:  # a longer lease than the marker's wait
+            deadline += longest_s + self.skew_margin_s - wait_s
+            ms = int((deadline - self.clock()) * 1000)
+            await conn.run(lambda: conn.client.pexpire(fk.marker, max(ms, 1)), fk)
+        holders = {n.node_id for n in live if n.lease_ms > 0 and n.node_id != self.node_id}
+        # This node renews its liveness: if the server does not list it although its own
+        # lease says it must, the server's live set cannot be trusted (its clock stepped
+        # forward, or a failover lost the set): wait for the longest lease instead.
+        trusted = self.clock() >= self.live_until or any(n.node_id == self.node_id for n in live)
         message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
         client = self.conn.client
         await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message), fk)
         acked = await self._await_acks(fk, invalidation, holders, deadline)
-        how = "acked" if holders <= acked else "lease"
+        if not trusted:
+            log.warning(
+                "node %s: the server's live set does not list this node; waiting out the "
+                "longest lease (%.2f s) instead of trusting acknowledgements",
+                self.node_id,
+                longest_s,
+            )
+            left = deadline - self.clock()
+            if left > 0:
+                await asyncio.sleep(left)  # the longest lease interval: then no copy is left
+        how = "acked" if trusted and holders <= acked else "lease"
         if how == "acked":  # nobody can hold the old value: reads may lease again now
             await conn.script(LUA["end_replace"], fk, (fk.marker,), (invalidation,))
         return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)

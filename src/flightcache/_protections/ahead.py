@@ -30,10 +30,11 @@ class RefreshAhead:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        # digest -> (expires at, cost s, refresh at: the one XFetch draw for this value)
-        self._known: dict[str, tuple[float, float, float]] = {}
+        # digest -> (expires at, cost s, the one XFetch draw for this value: -ln(U), or
+        # None once another process refreshed it). Each call's own beta scales the draw
+        # when it asks whether the value is due, so keys with different betas stay apart.
+        self._known: dict[str, tuple[float, float, float | None]] = {}
         self.running: set[str] = set()
-        self.beta = 1.0
 
     def saw(self, digest: str, sent: float, ttl_left_ms: int, cost_ms: int | None) -> None:
         """A value read by a request sent at ``sent`` expires ``ttl_left_ms`` after it."""
@@ -43,14 +44,10 @@ class RefreshAhead:
         old = self._known.pop(digest, None)
         cost = cost_ms / 1000 if cost_ms else (old[1] if old else 0.0)
         if old is not None and abs(old[0] - expires) < max(SAME_VALUE_S, cost):
-            refresh_at = old[2]  # the same value, read again: keep its draw
+            draw = old[2]  # the same value, read again: keep its draw
         else:
-            # One cost ahead at least (so the new value is ready in time), plus the XFetch
-            # draw, plus a round trip's margin.
-            cost_s = max(cost, MIN_COST_S)
             draw = -math.log(1.0 - random.random())
-            refresh_at = expires - cost_s * (1.0 + self.beta * draw) - MARGIN_S
-        self._known[digest] = (expires, cost, refresh_at)
+        self._known[digest] = (expires, cost, draw)
         if len(self._known) > MAX_TRACKED:
             del self._known[next(iter(self._known))]
 
@@ -59,15 +56,19 @@ class RefreshAhead:
         known now; the next read of the new one brings its own draw."""
         known = self._known.get(digest)
         if known is not None:
-            self._known[digest] = (known[0], known[1], math.inf)
+            self._known[digest] = (known[0], known[1], None)
 
     def due(self, digest: str, beta: float) -> int | None:
         """Milliseconds the value has left if it should be recomputed now, else None."""
-        self.beta = beta
         known = self._known.get(digest)
         if known is None or digest in self.running:
             return None
-        expires, _cost, refresh_at = known
+        expires, cost, draw = known
+        if draw is None:
+            return None
+        # One cost ahead at least (so the new value is ready in time), plus the XFetch draw
+        # scaled by this call's beta, plus a round trip's margin.
+        refresh_at = expires - max(cost, MIN_COST_S) * (1.0 + beta * draw) - MARGIN_S
         now = self.clock()
         if now < refresh_at:
             return None
