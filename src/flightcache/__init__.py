@@ -1,6 +1,7 @@
 """flightcache: run an expensive call once across many processes, share the result, cache it.
 
-See ``FlightCache`` for the API and ``docs/`` for the protocol.
+See ``FlightCache`` for the API (``FlightCacheSync`` for threads and sync code) and ``docs/``
+for the protocol.
 """
 
 from ._backends.embedded import EmbeddedServer
@@ -23,6 +24,7 @@ from ._errors import (
 from ._leases.nodes import NodeInfo
 from ._protections.bloom import BloomFilter
 from ._protocol.streaming import FlightStream
+from ._sync import FlightCacheSync, FlightStreamSync
 from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo, Invalidation
 
 __version__ = "0.1.0"
@@ -37,9 +39,11 @@ __all__ = [
     "ConfigError",
     "EmbeddedServer",
     "FlightCache",
+    "FlightCacheSync",
     "FlightError",
     "FlightInfo",
     "FlightStream",
+    "FlightStreamSync",
     "FlightTimeout",
     "HashRing",
     "Invalidation",

@@ -11,19 +11,20 @@ and Bloom filters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar, overload
 
 from ._backends.embedded import EmbeddedServer
 from ._backends.redis import RedisConnection
 from ._codec import Codec, Envelope
 from ._config import Settings, Tuning, check_call, safe_url, seconds
-from ._decorator import flight_decorator
+from ._decorator import AsyncFlight, flight_decorator
 from ._errors import ConfigError, FlightError
 from ._keys import FlightKeys, KeySpace, canonical, digest_of
 from ._leases.near import NearCache
@@ -133,6 +134,7 @@ class FlightCache:
         self._local = LocalFlights(self._stats, self.envelope, self._ready, self._ahead)
         self._digests: dict[str, str] = {}
         self._warned_ttls: set[int] = set()
+        self._disabled = 0  # disabled() blocks open: caching is off while > 0
         self._server: EmbeddedServer | None = None  # embedded://, once started
         self._parts: Parts | None = None
         # The parts' pieces this façade (and tests) use directly; set by _use().
@@ -278,6 +280,8 @@ class FlightCache:
             raise ConfigError(
                 f"refresh_ahead must be True or an XFetch beta > 0: {refresh_ahead!r}"
             )
+        if self._disabled:
+            return await self._uncached(loader, not_found)
         digest = self._digest(key)
         self._stats.calls += 1
         near = self._near
@@ -310,6 +314,19 @@ class FlightCache:
             if refresh_ahead and store:
                 self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
         return self.envelope.decode(data, key=fk.digest)
+
+    async def _uncached(self, loader: Loader, not_found: tuple[type[BaseException], ...]) -> Any:
+        """``do`` under ``disabled()``: the loader's value, through the codec as every
+        caller of a flight gets it (a value the codec cannot take fails here too)."""
+        self._stats.calls += 1
+        self._stats.loader_runs += 1
+        try:
+            value = await loader()
+        except not_found:
+            return NOT_FOUND
+        if value is NOT_FOUND:
+            return NOT_FOUND
+        return self.envelope.decode(self.envelope.encode(value))
 
     def _maybe_refresh(
         self,
@@ -356,6 +373,8 @@ class FlightCache:
             )
         if ttl is not None or lease is not None or timeout is not None:
             check_call(ttl, lease, timeout)
+        if self._disabled:
+            refresh, store = True, False
         canon = canonical(key)
         fk = self.keyspace.for_digest(digest_of(canon))
         opts = self._options(canon, ttl, lease, timeout, refresh, store)
@@ -366,6 +385,8 @@ class FlightCache:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""
         digest = self._digest(key)
         self._stats.gets += 1
+        if self._disabled:
+            return MISSING
         data = self._near.get(digest) if self._near is not None else None
         if data is None:
             flights = self._front
@@ -422,7 +443,10 @@ class FlightCache:
         return await (await self._ready()).inspect(fk)
 
     @overload
-    def flight(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R]]: ...
+    def flight(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def flight(self, fn: Callable[P, R], /) -> Callable[P, Coroutine[Any, Any, R]]: ...
 
     @overload
     def flight(
@@ -433,20 +457,40 @@ class FlightCache:
         ttl: float | None = None,
         lease: float | None = None,
         timeout: float | None = None,
-    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]: ...
+    ) -> AsyncFlight: ...
 
     def flight(
         self,
-        fn: Callable[P, Awaitable[R]] | None = None,
+        fn: Callable[..., Any] | None = None,
         /,
         *,
         ttl: float | None = None,
         lease: float | None = None,
         timeout: float | None = None,
     ) -> Any:
-        """Decorator: the key is the function's module and name plus its canonical arguments."""
+        """Decorator: the key is the function's module and name plus its canonical arguments.
+
+        ``async def`` and ``def`` functions alike become coroutine functions with the same
+        parameters and return type; a ``def`` body runs in a worker thread.
+        """
         decorate = flight_decorator(self.do, ttl=ttl, lease=lease, timeout=timeout)
         return decorate(fn) if fn is not None else decorate
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """``with fc.disabled():`` caching off while the block runs, for tests.
+
+        ``do`` (and so ``@flight``) calls its loader every time, reads nothing and stores
+        nothing, without touching the server; ``get`` returns ``MISSING``; ``stream`` runs
+        its producer for each call that finds no running flight of its key and stores
+        nothing. ``set`` and ``invalidate`` work as usual. Blocks nest; the switch is the
+        cache's, for every caller.
+        """
+        self._disabled += 1
+        try:
+            yield
+        finally:
+            self._disabled -= 1
 
     async def aclose(self) -> None:
         """Stop every flight of this process (owners give their flights back) and disconnect."""
