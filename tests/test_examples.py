@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,17 @@ def test_quickstart(server: EmbeddedServer, embedded: bool) -> None:
 def test_decorator(server: EmbeddedServer) -> None:
     out = run("decorator.py", server.url)
     assert "[5.0, 5.0] [5.0, 5.0] 1 loader run(s)" in out
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "server-url"])
+def test_threads(server: EmbeddedServer, embedded: bool) -> None:
+    out = run("threads.py", *([] if embedded else [server.url]))
+    assert "50 answers, 1 distinct, loader runs: 1" in out
+    assert "cached: summary of document 7" in out
+    if hasattr(os, "fork"):
+        assert "forked child: summary of document 7, loader runs: 1" in out
+
+
+def test_testing() -> None:
+    out = run("testing.py")
+    assert "2 tests passed; pricing service calls: ['tea', 'cake', 'cake']" in out
