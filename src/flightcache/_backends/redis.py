@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -155,7 +156,7 @@ class Script:
     """A Lua script kept as a package file, ``<package>/lua/<name>.lua``; each connection
     registers it (EVALSHA, reloaded on NOSCRIPT) the first time it runs it."""
 
-    __slots__ = ("name", "text")
+    __slots__ = ("name", "sha", "text")
 
     def __init__(self, package: str, name: str) -> None:
         self.name = name
@@ -166,6 +167,7 @@ class Script:
                 line = folder.joinpath(line[len(INCLUDE) :].strip()).read_text(encoding="utf-8")
             lines.append(line)
         self.text = "\n".join(lines) + "\n"
+        self.sha = hashlib.sha1(self.text.encode()).hexdigest().encode()  # what EVALSHA names
 
     def __repr__(self) -> str:
         return f"Script({self.name!r})"
@@ -174,6 +176,22 @@ class Script:
 def scripts(package: str, *names: str) -> dict[str, Script]:
     """The named scripts of one package, by name."""
     return {name: Script(package, name) for name in names}
+
+
+def pack_command(*args: Any) -> bytes:
+    """One command in RESP: an array of bulk strings (str, bytes, int and float args)."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, int):
+            data = b"%d" % arg
+        else:
+            data = repr(float(arg)).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 class RedisConnection:
@@ -453,10 +471,38 @@ class RedisConnection:
     async def script(
         self, lua: Script, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
     ) -> Any:
+        if self.cluster is None:
+            return await self.run(lambda: self._evalsha(lua, keys, args), fk)
         script = self.scripts.get(lua.name)
         if script is None:
             script = self.scripts[lua.name] = self.client.register_script(lua.text)
         return await self.run(lambda: script(keys=list(keys), args=list(args)), fk)
+
+    async def _evalsha(self, lua: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """EVALSHA, packed here and sent on a pooled connection. A script call carries some
+        twenty arguments, and redis-py's generic command path (an encoder call and type
+        checks per argument, retry wrappers) costs more than the round trip itself; this
+        is the hot path of every call. NOSCRIPT (a restarted server) loads it and sends it
+        again; a connection interrupted mid-command is dropped, never reused."""
+        packed = pack_command(b"EVALSHA", lua.sha, len(keys), *keys, *args)
+        pool: Any = self.client.connection_pool
+        for attempt in (0, 1):
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(packed, check_health=False)
+                return await conn.read_response()
+            except rexc.NoScriptError:
+                if attempt:
+                    raise
+            except rexc.ResponseError:
+                raise  # an answer: the connection is fine
+            except BaseException:
+                await conn.disconnect(nowait=True)
+                raise
+            finally:
+                await pool.release(conn)
+            await self.client.script_load(lua.text)
+        raise AssertionError("unreachable")
 
     async def _wrong_type(self, fk: FlightKeys) -> ConfigError:
         expected = {

@@ -76,6 +76,9 @@ class RedisFlights:
         self.follower = Follower(self)
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
+        self._claim_prefix = secrets.token_hex(4) + "-"
+        self._claims = 0
+        self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
 
     @property
     def renewer(self) -> Renewer:
@@ -126,7 +129,12 @@ class RedisFlights:
     # -- the flight ----------------------------------------------------------------------
 
     def prepare(self, fk: FlightKeys) -> Handle:
-        return Handle(fk.digest, secrets.token_hex(8))
+        return Handle(fk.digest, self._claim_id())
+
+    def _claim_id(self) -> str:
+        """Unique per call: this node's random prefix and a counter (no entropy per call)."""
+        self._claims += 1
+        return f"{self._claim_prefix}{self._claims:x}"
 
     async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Handle) -> Opening:
         """A call's first read: the join itself (hit, follow, or claimed, with the token
@@ -311,27 +319,27 @@ class RedisFlights:
         result is the one its own flight stored). ``since`` is a follower's stream position:
         an end of its flight after it is reported (ENDED) rather than claimed over.
         """
-        claim_id = claim_id or secrets.token_hex(8)
+        claim_id = claim_id or self._claim_id()
         keys = [fk.result, fk.meta, fk.waiters, fk.stream, fk.marker, fk.cost]
         bits: int | str = ""
         if self.token_in_join:
             keys.append(self.keyspace.owner_seq)
-            bits = secrets.randbits(TOKEN_RANDOM_BITS)
-        prefix, limit = self._wake
+            bits = random.getrandbits(TOKEN_RANDOM_BITS)  # uniqueness, not secrecy
+        node, waiters_ttl, lease, timeout, stream_ttl, prefix, limit = self._join_args(opts)
         sent = self.clock()
         reply = await self.conn.script(
             LUA["join_flight"],
             fk,
             keys,
             (
-                self.node_id,
-                opts.lease_ms + self.tuning.stream_linger_ms,
+                node,
+                waiters_ttl,
                 claim,
                 claim_id,
-                opts.lease_ms,
-                int(opts.timeout_s * 1000),
+                lease,
+                timeout,
                 opts.key_text,
-                opts.lease_ms + self.tuning.stream_linger_ms,
+                stream_ttl,
                 "1" if refresh else "0",
                 since,
                 opts.refresh_below_ms,
@@ -342,6 +350,29 @@ class RedisFlights:
             ),
         )
         return state_of(reply, claim_id, sent)
+
+    def _join_args(self, opts: CallOptions) -> tuple[bytes, ...]:
+        """The join's arguments that depend only on the cache and the call's lease and
+        timeout, encoded once (the hot path packs them as they are)."""
+        static = self._static.get((opts.lease_ms, opts.timeout_s))
+        if static is None:
+            if len(self._static) > 64:
+                self._static.clear()
+            linger = opts.lease_ms + self.tuning.stream_linger_ms
+            prefix, limit = self._wake
+            static = self._static[(opts.lease_ms, opts.timeout_s)] = tuple(
+                str(v).encode()
+                for v in (
+                    self.node_id,
+                    linger,
+                    opts.lease_ms,
+                    int(opts.timeout_s * 1000),
+                    linger,
+                    prefix,
+                    limit,
+                )
+            )
+        return static
 
     async def _confirm(
         self, fk: FlightKeys, opts: CallOptions, claim_id: str

@@ -63,17 +63,19 @@ class Waiter:
         self.digest = digest
         self.messages: list[tuple[bytes, list[Entry]]] = []
         self.gap = gap
-        self._event = asyncio.Event()
-        if gap:
+        self._event: asyncio.Event | None = None  # made when someone waits (hits never do)
+
+    def _wake(self) -> None:
+        if self._event is not None:
             self._event.set()
 
     def push(self, prev: bytes, entries: list[Entry]) -> None:
         self.messages.append((prev, entries))
-        self._event.set()
+        self._wake()
 
     def lost(self) -> None:
         self.gap = True
-        self._event.set()
+        self._wake()
 
     @property
     def pending(self) -> bool:
@@ -83,6 +85,8 @@ class Waiter:
         """Until there is news, or ``timeout_s`` passed (then False)."""
         if self.pending:
             return True
+        if self._event is None:
+            self._event = asyncio.Event()
         self._event.clear()
         try:
             await asyncio.wait_for(self._event.wait(), timeout_s)
@@ -93,7 +97,8 @@ class Waiter:
     def take(self) -> tuple[bool, list[tuple[bytes, list[Entry]]]]:
         gap, messages = self.gap, self.messages
         self.gap, self.messages = False, []
-        self._event.clear()
+        if self._event is not None:
+            self._event.clear()
         return gap, messages
 
 
