@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _stampede
+from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _stampede, _sync
 from ._util import ROOT
 
 
@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--skip-protect", action="store_true", help="skip the Bloom filter and refresh-ahead"
+    )
+    p.add_argument(
+        "--skip-sync", action="store_true", help="skip the sync client (FlightCacheSync)"
     )
     args = p.parse_args(argv)
     if args.processes < 2 or args.callers < 1:
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     near: dict[str, Any]
     if args.quick:
         stampede_rounds, hit = 2, {"rounds": 2, "ops": 5_000, "seconds": 0.4}
+        sync_hit: dict[str, Any] = {"rounds": 2, "ops": 3_000, "seconds": 0.4}
         gateway = {
             "bursts": 2,
             "ttft_rounds": 3,
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         ahead: dict[str, Any] = {"seconds": 2.5}
     else:
         stampede_rounds, hit = 5, {"rounds": 3, "ops": 20_000, "seconds": 1.2}
+        sync_hit = {}  # the defaults of _sync.run_hits
         gateway, near = {}, {}  # the defaults of _gateway.run and _near.run
         ring, bloom, ahead = {}, {}, {}  # the defaults of _cluster.run_ring and _protect
     started = time.monotonic()
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ring_figures: dict[str, Any] | None = None
     bloom_figures: dict[str, Any] | None = None
     ahead_figures: dict[str, Any] | None = None
+    sync_figures: dict[str, Any] | None = None
     try:
         server.start()
         env = {
@@ -180,10 +186,23 @@ def main(argv: list[str] | None = None) -> int:
             bloom_figures = asyncio.run(_protect.run_bloom(server.url, **bloom))
             ahead_figures = asyncio.run(_protect.run_refresh_ahead(server.url, **ahead))
             _report.print_protect(bloom_figures, ahead_figures)
+        if not args.skip_sync:
+            sync_stampede = _sync.run_stampede(
+                server.url,
+                processes=args.processes,
+                callers=args.callers,
+                rounds=args.rounds or stampede_rounds,
+            )
+            sync_figures = {
+                "hit_path": _sync.run_hits(server.url, **sync_hit),
+                "stampede": asyncio.run(sync_stampede),
+            }
+            _report.print_sync(sync_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
     rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
+    rows += _report.sync_targets(sync_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
     print(f"\n(run took {elapsed:.1f} s)")
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "ring": ring_figures,
             "bloom": bloom_figures,
             "refresh_ahead": ahead_figures,
+            "sync": sync_figures,
             "targets": rows,
         }
         Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")
@@ -228,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("refresh_ahead", "plain"):
             m = ahead_figures[mode]
             broken = broken or bool(m["errors"]) or m["most_runs_at_once"] > 1
+    if sync_figures is not None:
+        s = sync_figures["stampede"]
+        broken = broken or any(r != 1 for r in s["loader_runs_per_round"]) or bool(s["errors"])
     return 1 if broken else 0
 
 

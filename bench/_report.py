@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from . import _near
+from . import _near, _sync
 from ._hitpath import LABELS, VARIANTS
 from ._util import median
 
@@ -607,3 +607,68 @@ def scale_targets(
             )
         )
     return out
+
+
+SYNC_HIT_TARGET = 0.8  # FlightCacheSync hits x raw sync redis-py GET, without near cache
+
+
+def print_sync(s: dict[str, Any]) -> None:
+    """The sync client's section (bench/_sync.py): hit path and stampede."""
+    h, st = s["hit_path"], s["stampede"]
+    c = h["config"]
+    print()
+    print(
+        f"Sync client (FlightCacheSync): hit path, cached {c['value_bytes']}-byte value, "
+        f"{c['rounds']} alternating rounds, each up to {c['ops_per_measurement']} ops or "
+        f"{c['seconds_per_measurement']:g} s"
+    )
+    for mode, title in (
+        ("sequential", "sequential, one thread"),
+        ("concurrent", f"concurrent, {c['threads']} threads on {c['threads']} keys"),
+    ):
+        print(f"   {title:<44} ops/s median     best  x raw GET  CPU us/op")
+        for name in _sync.VARIANTS:
+            r = h[mode][name]
+            print(
+                f"     {_sync.LABELS[name]:<42} {r['ops_per_s']:9.0f} {r['best_ops_per_s']:8.0f}"
+                f"  {r['ratio_to_raw']:9.2f}  {r['cpu_us_per_op']:9.1f}"
+            )
+    sc = st["config"]
+    print(
+        f"   stampede: {sc['processes']} processes x {sc['callers_per_process']} threads on one "
+        f"fresh key, blocking loader {sc['loader_s'] * 1000:.0f} ms, {sc['rounds']} rounds"
+    )
+    print(f"     loader runs per round: {' '.join(map(str, st['loader_runs_per_round']))}")
+    if st["errors"]:
+        print(f"     caller errors: {len(st['errors'])}, first: {st['errors'][0]}")
+    print("     wake lag = caller's return - loader's end (ms)    n     p50     p99     max")
+    for label, field in (
+        ("owner-process threads", "owner"),
+        ("remote-follower-process threads", "remote"),
+        ("  first thread woken, owner process", "owner_first"),
+        ("  first thread woken, each remote process", "remote_first"),
+    ):
+        print(_row(label, st["wake_lag_ms"][field]))
+
+
+def sync_targets(s: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if s is None:
+        return []
+    st = s["stampede"]
+    runs = st["loader_runs_per_round"]
+    return [
+        _ratio_target(
+            f"sync hit path >= {SYNC_HIT_TARGET} x raw sync GET",
+            s["hit_path"],
+            ("get", "do"),
+            SYNC_HIT_TARGET,
+            2,
+        ),
+        _target(
+            "sync stampede: loader runs exactly once",
+            f"{sum(r == 1 for r in runs)}/{len(runs)} rounds",
+            max(runs),
+            all(r == 1 for r in runs) and not st["errors"],
+        ),
+        _wake_target("sync stampede ", st["wake_lag_ms"]),
+    ]
