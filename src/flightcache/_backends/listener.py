@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -107,6 +108,31 @@ class Listener:
             )
         )
 
+    async def _confirmed(self, pubsub: Any) -> None:
+        """Until the server confirmed every SUBSCRIBE (redis-py sends them, it does not
+        wait for the answers); within one ping interval, or the connection is given up."""
+        deadline = self._clock() + self.ping_s
+        waiting = len(self._channels)
+        while waiting:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise rexc.ConnectionError("SUBSCRIBE was not confirmed")
+            message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=left)
+            if message is None:
+                continue
+            if message.get("type") == "subscribe":
+                waiting -= 1
+            elif message.get("type") == "message":
+                self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        channel = self._channels.get(_text(message.get("channel")))
+        if channel is not None:
+            try:
+                channel.on_message(message["data"])
+            except Exception:  # a handler's bug must not deafen the others
+                log.exception("listener: handler of %s failed", channel.name)
+
     def _gap(self) -> None:
         for channel in self._channels.values():
             try:
@@ -124,6 +150,7 @@ class Listener:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(*self._channels)
+                await self._confirmed(pubsub)  # only then is a message sure to arrive
                 self._subscribed.set()
                 # Anything said while we were not subscribed is lost: say so.
                 self._gap()
@@ -151,12 +178,7 @@ class Listener:
                         pinged = None
                     elif kind == "message":
                         pinged = None  # the connection works
-                        channel = self._channels.get(_text(message.get("channel")))
-                        if channel is not None:
-                            try:
-                                channel.on_message(message["data"])
-                            except Exception:
-                                log.exception("listener: handler of %s failed", channel.name)
+                        self._dispatch(message)
             except (rexc.RedisError, OSError) as exc:
                 was_subscribed = self.subscribed
                 self._subscribed.clear()

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import orjson
 
 from .._backends.redis import RedisConnection, scripts
-from .._errors import FlightError
+from .._errors import FlightError, LeaseLost
 from .._keys import FlightKeys, KeySpace
 from .._types import Invalidation
 from .near import NearCache
@@ -35,6 +35,7 @@ LUA = scripts(__package__, "live_nodes", "replace_result", "end_replace")
 log = logging.getLogger("flightcache.nodes")
 
 ACK_TTL_MS = 60_000
+RELIST_EVERY = 10  # renewals between two SADDs of a node that stays live
 INVALIDATE_CONCURRENCY = 8  # invalidations of one invalidate_many() under way at once
 
 
@@ -95,7 +96,9 @@ class Replacer(Protocol):
     """What deletes or replaces a stored result so that no node serves the old one:
     ``NodeAgent``, or on ``memory://``, where this process is the only node, the store."""
 
-    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation: ...
+    async def replace(
+        self, fk: FlightKeys, data: bytes | None, ttl_ms: int, if_token: int | None = None
+    ) -> Invalidation: ...
 
 
 async def invalidate_many(
@@ -153,6 +156,8 @@ class NodeAgent:
         # trusted past it, or an invalidation could stop waiting for a node still serving.
         self.live_until = clock()
         self._longest_s = self.near_lease_s  # the longest near-cache lease heard of
+        self._listed = False  # the last renewal made sure the id is in the node set
+        self._renewals = 0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -198,15 +203,20 @@ class NodeAgent:
 
     async def _renew(self) -> None:
         """One command a renewal: the node's lease key, set with the TTL (the server's
-        clock decides when it lapses). Only when that key was gone (the first renewal, or
-        after a lapse, when ``live_nodes`` may have pruned it) is the id added to the set."""
+        clock decides when it lapses). The id is added to the set when that key was gone
+        (the first renewal, or after a lapse, when ``live_nodes`` may have pruned it), when
+        the last renewal was not answered (its SET may have found the key, its SADD never
+        sent), and every ``RELIST_EVERY`` renewals (a set lost to a failover comes back)."""
         sent = self.clock()
         client, key = self.conn.client, self.keyspace.node(self.node_id)
         ttl_ms = int(self.node_ttl_s * 1000)
         info = self._info()
+        listed, self._listed = self._listed, False  # unknown until this one is answered
         before = await self.conn.run(lambda: client.set(key, info, px=ttl_ms, get=True))
-        if before is None:
+        self._renewals += 1
+        if before is None or not listed or self._renewals % RELIST_EVERY == 0:
             await self.conn.run(lambda: client.sadd(self.keyspace.nodes, self.node_id))
+        self._listed = True
         # The server keeps this node live until at least one TTL after the renewal was sent.
         self.live_until = sent + self.node_ttl_s
 
@@ -263,9 +273,13 @@ class NodeAgent:
 
     # -- invalidating --------------------------------------------------------------------
 
-    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+    async def replace(
+        self, fk: FlightKeys, data: bytes | None, ttl_ms: int, if_token: int | None = None
+    ) -> Invalidation:
         """Delete (``data`` None) or replace the stored result, then make sure no node
-        keeps serving the old one: acknowledgements, or the longest lease lapsing.
+        keeps serving the old one: acknowledgements, or the longest lease lapsing. With
+        ``if_token``, only while that token is the key's flight owner's (else
+        ``LeaseLost``, and nothing is written).
 
         Once the delete is done, the rest runs to its end even if the caller is cancelled
         (other nodes must still hear of it, and the marker end when they have)."""
@@ -282,8 +296,20 @@ class NodeAgent:
             LUA["replace_result"],
             fk,
             (fk.result, fk.marker, fk.meta, fk.cost),
-            (invalidation, max(1, int(wait_s * 1000)), data or b"", ttl_ms),
+            (
+                invalidation,
+                max(1, int(wait_s * 1000)),
+                data or b"",
+                ttl_ms,
+                "" if if_token is None else if_token,
+            ),
         )
+        if int(existed) < 0:
+            raise LeaseLost(
+                f"token {if_token} is not the owner's of this key: nothing was written",
+                key=fk.digest,
+                token=if_token,
+            )
         # The leases to outwait started no later than now: the delete has happened.
         deadline = self.clock() + wait_s
         if data is None and not int(existed):

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from .._backends.redis import RedisConnection, scripts
-from .._errors import BackendUnavailable, ConfigError, FlightError
+from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import KeySpace, canonical
 
 LUA = scripts(__package__, "bloom_add", "bloom_check")
@@ -230,6 +230,8 @@ async def admitted(bloom: BloomFilter, key: Any, *, fail_open: bool) -> bool:
     server is out of reach and the cache fails open, yes (the loader decides)."""
     try:
         return await bloom.contains(key)
+    except PoolExhausted:
+        raise  # this process is busy, the server is not down: no fail-open for it
     except BackendUnavailable:
         if not fail_open:
             raise

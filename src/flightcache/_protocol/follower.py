@@ -93,6 +93,8 @@ class Follower:
         margin_s = self.flights.tuning.block_margin_ms / 1000
         recheck_at = self.flights.clock() + state.lease_left_ms / 1000 + margin_s
         last_id = state.last_id  # every event that can end this flight comes after it
+        if not job.inline_ok:
+            waiter.lost()  # a stream: chunks appended before the join are read at once
         while True:
             sent = self.flights.clock()
             if sent >= deadline:
@@ -142,5 +144,6 @@ class Follower:
             if now.kind != FOLLOW:
                 return replace(now, since=last_id)
             job.on_follow(now.last_id)
-            last_id = now.last_id
+            if entry_key(now.last_id) > entry_key(last_id):
+                last_id = now.last_id  # a later claim: its events start there
             recheck_at = self.flights.clock() + now.lease_left_ms / 1000 + margin_s
