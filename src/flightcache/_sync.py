@@ -243,13 +243,16 @@ def _loader_for(loader: Callable[[], Any], context: contextvars.Context) -> Load
     if inspect.iscoroutinefunction(loader):
         return cast("Loader", loader)
 
-    async def in_thread() -> Any:
+    async def in_thread(*args: Any) -> Any:
         run = context.copy().run  # a copy per run: a refresh-ahead may run it again
-        value = await asyncio.get_running_loop().run_in_executor(None, run, loader)
+        value = await asyncio.get_running_loop().run_in_executor(None, run, loader, *args)
         if inspect.isawaitable(value):  # a plain callable that returned a coroutine
             value = await value
         return value
 
+    # The engine reads what the loader takes (its signature) through the wrapper, and
+    # hands on whatever it passes.
+    in_thread.__wrapped__ = loader  # type: ignore[attr-defined]
     return in_thread
 
 
