@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from importlib.resources import files
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -17,7 +14,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
 from .._config import safe_url
@@ -25,6 +22,8 @@ from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhauste
 from .._keys import FlightKeys
 from .._types import Stats
 from .listener import Listener, keepalive
+from .pools import BoundedPool, SentinelPool
+from .scripts import Script, pack_command
 from .sentinel import SENTINEL_SCHEMES, SentinelURL, parse_sentinel_url
 
 T = TypeVar("T")
@@ -32,166 +31,6 @@ T = TypeVar("T")
 log = logging.getLogger("flightcache.redis")
 
 CLUSTER_SCHEME = "redis+cluster://"
-
-
-class BoundedPool(aioredis.ConnectionPool):
-    """redis-py's plain pool with two bounds of its own.
-
-    At most ``max_connections`` are handed out at once; a caller past that waits for one (up
-    to ``wait_timeout``) instead of failing. With ``op_timeout`` set, a sweeper task
-    disconnects any connection held longer than that, which fails the command on it with a
-    ConnectionError: one timer for the whole pool, where redis-py's ``socket_timeout`` arms
-    a timer for every read and a Task for every write (about 10 us of CPU per command on
-    Python 3.11, as much as the rest of a cache hit). Blocking commands (XREAD BLOCK) use a
-    pool without the sweeper and redis-py's socket timeout instead.
-    """
-
-    def __init__(self, *, wait_timeout: float, op_timeout: float | None = None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._slots = asyncio.Semaphore(self.max_connections)
-        self._wait_timeout = wait_timeout
-        self._op_timeout = op_timeout
-        self._out: dict[int, tuple[Any, float]] = {}  # id -> (connection, checked out at)
-        self._sweeper: asyncio.Task[None] | None = None
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if self._slots.locked():
-            try:
-                await asyncio.wait_for(self._slots.acquire(), self._wait_timeout)
-            except asyncio.TimeoutError as exc:
-                raise rexc.MaxConnectionsError(
-                    f"all {self.max_connections} connections stayed busy for "
-                    f"{self._wait_timeout:g} s (raise max_connections?)"
-                ) from exc
-        else:
-            await self._slots.acquire()
-        try:
-            if self._op_timeout is not None and not self._idle_connected():
-                # A new connection's handshake (HELLO, CLIENT SETNAME) reads with no socket
-                # timeout in this pool, and the sweeper only sees checked-out connections:
-                # bound the connect here, so a frozen server cannot hang it.
-                connection = await asyncio.wait_for(
-                    super().get_connection(),  # type: ignore[no-untyped-call]
-                    self._op_timeout,
-                )
-            else:
-                connection = await super().get_connection()  # type: ignore[no-untyped-call]
-        except asyncio.TimeoutError as exc:
-            self._slots.release()
-            raise rexc.ConnectionError(
-                f"connecting took longer than {self._op_timeout:g} s"
-            ) from exc
-        except BaseException:
-            self._slots.release()
-            raise
-        self._out[id(connection)] = (connection, time.monotonic())
-        if self._op_timeout is not None and self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(self._op_timeout))
-        return connection
-
-    def _idle_connected(self) -> bool:
-        """Whether the next checkout reuses a live connection (no handshake to bound)."""
-        idle: Any = getattr(self, "_available_connections", None)
-        return bool(idle) and bool(getattr(idle[-1], "is_connected", False))
-
-    async def release(self, connection: Any) -> None:
-        try:
-            await super().release(connection)
-        finally:
-            if self._out.pop(id(connection), None) is not None:
-                self._slots.release()
-
-    async def _sweep(self, limit: float) -> None:
-        while True:
-            await asyncio.sleep(limit / 4)  # sweep interval: one timer for the pool
-            now = time.monotonic()
-            for connection, since in list(self._out.values()):
-                if now - since > limit:
-                    log.warning("a Redis command ran past %g s; disconnecting it", limit)
-                    await connection.disconnect(nowait=True)
-
-    async def disconnect(self, inuse_connections: bool = True) -> None:
-        # Only closing the pool stops the sweeper: dropping the idle connections (a sentinel
-        # pool's, when the master moved) leaves the ones in use to watch.
-        if inuse_connections and self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
-        await super().disconnect(inuse_connections)
-
-
-class SentinelPool(BoundedPool, SentinelConnectionPool):
-    """A :class:`BoundedPool` of connections to the master Redis Sentinel names.
-
-    redis-py's ``SentinelConnectionPool`` does the following: each new connection asks the
-    sentinels for the master's address first; a changed address drops the idle connections
-    to the old one; a ``READONLY`` reply (the old master came back as a replica) drops the
-    connection it came on and fails as a ConnectionError. So after a failover every command
-    fails at most once per pooled connection (BackendUnavailable, which flights retry) and
-    the next connection reaches the new master. ``heard`` is told every address named.
-    """
-
-    def __init__(
-        self,
-        service: str,
-        manager: Sentinel,
-        *,
-        heard: Callable[[tuple[str, int]], None],
-        **kwargs: Any,
-    ) -> None:
-        self._heard = heard
-        super().__init__(service_name=service, sentinel_manager=manager, **kwargs)
-
-    async def get_master_address(self) -> Any:
-        address = await super().get_master_address()  # type: ignore[no-untyped-call]
-        self._heard(address)
-        return address
-
-
-INCLUDE = "-- include: "
-
-
-class Script:
-    """A Lua script kept as a package file, ``<package>/lua/<name>.lua``; each connection
-    registers it (EVALSHA, reloaded on NOSCRIPT) the first time it runs it."""
-
-    __slots__ = ("name", "sha", "text")
-
-    def __init__(self, package: str, name: str) -> None:
-        self.name = name
-        folder = files(package).joinpath("lua")
-        lines = []
-        for line in folder.joinpath(f"{name}.lua").read_text(encoding="utf-8").splitlines():
-            if line.startswith(INCLUDE):  # code shared by several scripts, written once
-                line = folder.joinpath(line[len(INCLUDE) :].strip()).read_text(encoding="utf-8")
-            lines.append(line)
-        self.text = "\n".join(lines) + "\n"
-        self.sha = hashlib.sha1(self.text.encode()).hexdigest().encode()  # what EVALSHA names
-
-    def __repr__(self) -> str:
-        return f"Script({self.name!r})"
-
-
-def scripts(package: str, *names: str) -> dict[str, Script]:
-    """The named scripts of one package, by name."""
-    return {name: Script(package, name) for name in names}
-
-
-def pack_command(*args: Any) -> bytes:
-    """One command in RESP: an array of bulk strings (str, bytes, int and float args)."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, int):
-            data = b"%d" % arg
-        else:
-            data = repr(float(arg)).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 class RedisConnection:

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from .._backends.redis import RedisConnection, scripts
+from .._backends.redis import RedisConnection
+from .._backends.scripts import scripts
 from .._errors import FlightError, LeaseLost
 from .._keys import FlightKeys, KeySpace
 from .._types import Invalidation

@@ -38,7 +38,8 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from .._backends.redis import RedisConnection, scripts
+from .._backends.redis import RedisConnection
+from .._backends.scripts import scripts
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import KeySpace, canonical
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._backends.redis import scripts
+from .._backends.scripts import scripts
 from .wakeup import Waiter
 
 LUA = scripts(
@@ -40,6 +40,7 @@ class State:
     ttl_left_ms: int = 0  # HIT: the result's time left
     leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
     cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
+    attempts: int = 0  # CLAIMED: 1 for a flight's first claim, one more per takeover
 
 
 def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
@@ -53,6 +54,7 @@ def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
             token=token,
             sent=sent,
             lease_left_ms=max(int(reply[4]), 0),
+            attempts=int(reply[1]),
         )
     if kind == HIT:
         return State(
