@@ -13,6 +13,8 @@ import inspect
 import json
 import os
 import select
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -543,3 +545,26 @@ async def test_a_sync_follower_thread_wakes_with_the_async_owners_value(
     assert await asyncio.gather(*followers) == ["owner's"] * 3
     stats = await asyncio.to_thread(lambda: fcs.stats)
     assert stats["loader_runs"] == 0 and stats["follows"] >= 1
+
+
+def test_a_client_left_open_is_closed_as_the_interpreter_exits() -> None:
+    """No close(), no with: at exit the client still closes its engine, before the
+    interpreter's thread pools stop, so an embedded:// client stops its private server."""
+    script = (
+        "from flightcache import FlightCacheSync\n"
+        "fcs = FlightCacheSync('embedded://', namespace='exit')\n"
+        "fcs.do('k', lambda: 'v')\n"
+        "print(fcs.server_url, flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 15
+    assert "failed" not in proc.stderr, proc.stderr
+    url = proc.stdout.strip()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(OSError):  # the private server is gone with its client
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()

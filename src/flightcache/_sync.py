@@ -190,6 +190,22 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
+EXIT_BOUND_S = 5.0  # closing an unclosed client as the interpreter exits
+
+
+def _close_all_at_exit() -> None:
+    for core in list(_CORES):
+        core.close(EXIT_BOUND_S)
+
+
+# Clients still open when the interpreter exits are closed before its thread pools are shut
+# down (an atexit or weakref.finalize hook runs after that, when the engine could no longer
+# stop an embedded server through a worker thread). CPython's hook, as concurrent.futures's.
+_register_before_threads_end = getattr(threading, "_register_atexit", None)
+if _register_before_threads_end is not None:
+    _ = concurrent.futures.ThreadPoolExecutor  # its own hook first, so that ours runs before
+    _register_before_threads_end(_close_all_at_exit)
+
 
 class _Core:
     """The engine of one ``FlightCacheSync`` in this process: made on first use, made
@@ -230,12 +246,12 @@ class _Core:
                 self.server_url = cache.server_url
             self.engine = None
 
-    def close(self) -> None:
+    def close(self, bound: float | None = None) -> None:
         with self.lock:
             engine, self.engine = self.engine, None
             self.state = CacheState.CLOSED
         if engine is not None and engine.pid == os.getpid():
-            engine.close(self.bound)
+            engine.close(self.bound if bound is None else bound)
 
 
 def _loader_for(loader: Callable[[], Any], context: contextvars.Context) -> Loader:
