@@ -23,6 +23,7 @@ from ._errors import (
 )
 from ._leases.nodes import NodeInfo
 from ._protections.bloom import BloomFilter
+from ._protocol.context import FlightContext
 from ._protocol.streaming import FlightStream
 from ._sync import FlightCacheSync, FlightStreamSync
 from ._types import MISSING, NOT_FOUND, UNSET, FlightInfo, Invalidation
@@ -40,6 +41,7 @@ __all__ = [
     "EmbeddedServer",
     "FlightCache",
     "FlightCacheSync",
+    "FlightContext",
     "FlightError",
     "FlightInfo",
     "FlightStream",

@@ -32,6 +32,7 @@ from ._leases.nodes import NodeAgent, NodeInfo, invalidate_many
 from ._protections.ahead import RefreshAhead
 from ._protections.bloom import BloomFilter, admitted
 from ._protocol.base import Flights
+from ._protocol.context import FlightContext, invoke, wants_context
 from ._protocol.failopen import FailOpen
 from ._protocol.jobs import LoaderJob, Producer
 from ._protocol.local import LocalFlights
@@ -271,7 +272,7 @@ class FlightCache:
         has never seen is answered ``NOT_FOUND`` at once: one round trip, no loader.
         """
         if not callable(loader):
-            raise ConfigError(f"loader must be a zero-argument async callable, not {loader!r}")
+            raise ConfigError(f"loader must be an async callable, not {loader!r}")
         if ttl is not None or lease is not None or timeout is not None:
             check_call(ttl, lease, timeout)
         if refresh_ahead is not False and (
@@ -305,7 +306,14 @@ class FlightCache:
         opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
 
         def start(handle: Any) -> Coroutine[Any, Any, bytes]:
-            job = LoaderJob(loader, self.envelope, fk.digest, not_found)
+            job = LoaderJob(
+                loader,
+                self.envelope,
+                fk.digest,
+                not_found,
+                key=key,
+                with_context=wants_context(loader),
+            )
             return self._local.fly(front, fk, job, opts, handle)
 
         data, hit = await self._local.call(front, fk, opts, track=bool(refresh_ahead), start=start)
@@ -320,8 +328,9 @@ class FlightCache:
         caller of a flight gets it (a value the codec cannot take fails here too)."""
         self._stats.calls += 1
         self._stats.loader_runs += 1
+        context = FlightContext(None, "", 0, 1) if wants_context(loader) else None
         try:
-            value = await loader()
+            value = await invoke(loader, context)
         except not_found:
             return NOT_FOUND
         if value is NOT_FOUND:
@@ -345,7 +354,10 @@ class FlightCache:
         # Skip the work if, by the time the join runs, someone else refreshed the value.
         margin_ms = max(50, opts.ttl_ms // 10)
         opts = dataclasses.replace(opts, refresh_below_ms=left_ms + margin_ms)
-        self._local.refresh(fk, LoaderJob(loader, self.envelope, fk.digest), opts)
+        job = LoaderJob(
+            loader, self.envelope, fk.digest, key=key, with_context=wants_context(loader)
+        )
+        self._local.refresh(fk, job, opts)
 
     def stream(
         self,
@@ -412,18 +424,32 @@ class FlightCache:
         """``invalidate`` for each key, concurrently."""
         return await invalidate_many(self._replace, [self.keyspace.flight(key) for key in keys])
 
-    async def set(self, key: Any, value: Any, *, ttl: float | None = None) -> Invalidation:
-        """Store ``value`` (computed elsewhere); return when no node serves the old one."""
+    async def set(
+        self, key: Any, value: Any, *, ttl: float | None = None, if_token: int | None = None
+    ) -> Invalidation:
+        """Store ``value`` (computed elsewhere); return when no node serves the old one.
+
+        With ``if_token`` (a loader's ``FlightContext.token``), the value is written only
+        while that token is the owner's of the key's running flight, checked in the same
+        server call that writes: otherwise nothing is written and ``LeaseLost`` (with
+        ``.token``) is raised, so an owner that lost its flight cannot overwrite the new
+        owner's work.
+        """
         if ttl is not None:
             seconds("ttl", ttl)
+        if if_token is not None and (isinstance(if_token, bool) or not isinstance(if_token, int)):
+            raise ConfigError(f"if_token must be a fencing token (an int): {if_token!r}")
         fk = self.keyspace.flight(key)
         data = self.envelope.encode(value, key=fk.digest)
-        return await self._replace(fk, data, int((self.ttl if ttl is None else ttl) * 1000) or 1)
+        ttl_ms = int((self.ttl if ttl is None else ttl) * 1000) or 1
+        return await self._replace(fk, data, ttl_ms, if_token)
 
-    async def _replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
+    async def _replace(
+        self, fk: FlightKeys, data: bytes | None, ttl_ms: int, if_token: int | None = None
+    ) -> Invalidation:
         await self._ready()
         assert self._parts is not None
-        return await self._parts.replacer.replace(fk, data, ttl_ms)
+        return await self._parts.replacer.replace(fk, data, ttl_ms, if_token)
 
     async def ping(self) -> float:
         """One round trip to the server, in seconds (0 for ``memory://``). It never fails

@@ -579,10 +579,14 @@ class FlightCacheSync:
         keys = list(keys)  # an iterator is read in the caller's thread
         return engine.run(engine.cache.invalidate_many(keys), self._replace_bound)
 
-    def set(self, key: Any, value: Any, *, ttl: float | None = None) -> Invalidation:
-        """Store ``value`` (computed elsewhere); return when no node serves the old one."""
+    def set(
+        self, key: Any, value: Any, *, ttl: float | None = None, if_token: int | None = None
+    ) -> Invalidation:
+        """Store ``value`` (computed elsewhere); return when no node serves the old one.
+        With ``if_token``, only while that token owns the key's flight (``LeaseLost``)."""
         engine = self._engine()
-        return engine.run(engine.cache.set(key, value, ttl=ttl), self._replace_bound)
+        call = engine.cache.set(key, value, ttl=ttl, if_token=if_token)
+        return engine.run(call, self._replace_bound)
 
     def ping(self) -> float:
         """One round trip to the server, in seconds (0 for ``memory://``); never fails open."""

@@ -41,7 +41,8 @@ class CacheState(enum.Enum):
     CLOSED = 3
 
 
-Loader = Callable[[], Awaitable[Any]]
+Loader = Callable[[], Awaitable[Any]] | Callable[[Any], Awaitable[Any]]
+"""A zero-argument async callable, or one that takes the run's ``FlightContext``."""
 
 
 @dataclass(frozen=True, slots=True)

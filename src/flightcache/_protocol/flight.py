@@ -268,7 +268,7 @@ class RedisFlights:
                 if takeover:
                     self.stats.takeovers += 1
                 try:
-                    return await self.owner.run(fk, job, opts, *confirmed)
+                    return await self.owner.run(fk, job, opts, *confirmed, state.attempts or 1)
                 except Lost:
                     state = None
                     takeover = False

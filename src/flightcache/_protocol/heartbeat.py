@@ -36,6 +36,7 @@ class Lease:
         "lease_s",
         "lost",
         "next_due",
+        "on_give_up",
         "proven_until",
         "reason",
         "renewals",
@@ -56,11 +57,14 @@ class Lease:
         self.lost = False
         self.reason = ""
         self.renewals = 0
+        self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
 
     def give_up(self, reason: str) -> None:
         self.lost = True
         self.reason = reason
         log.warning("flight %s: lease lost (%s); cancelling the loader", self.digest, reason)
+        if self.on_give_up is not None:
+            self.on_give_up()
         self._work.cancel()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._errors import ValueTooLarge
 from .._types import NOT_FOUND, Loader
+from .context import FlightContext, invoke
 from .streaming import COALESCED, MISS, LocalStream
 
 STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack array prefix)
@@ -26,7 +27,8 @@ Append = Callable[[int, Sequence[bytes]], Awaitable[None]]
 
 
 class LoaderJob:
-    """``do``: one value from ``loader()``."""
+    """``do``: one value from ``loader()``, or ``loader(context)`` for a loader that
+    declares a parameter (``with_context``: it gets the run's ``FlightContext``)."""
 
     inline_ok = True  # a small value may ride inside the done event
 
@@ -36,19 +38,24 @@ class LoaderJob:
         envelope: Envelope,
         digest: str,
         not_found: tuple[type[BaseException], ...] = (),
+        *,
+        key: Any = None,
+        with_context: bool = False,
     ) -> None:
         self.loader = loader
         self.envelope = envelope
         self.digest = digest
         self.not_found = not_found  # exceptions that mean "does not exist"
+        self.key = key  # the caller's key, for the loader's context
+        self.with_context = with_context
         # (when the request that delivered the stored value was sent, its TTL in ms): set
         # when the result may be leased by a near cache
         self.lease: tuple[float, int] | None = None
         self.cost_ms: int | None = None  # how long the loader ran, when known
 
-    async def run(self, append: Append | None) -> bytes:
+    async def run(self, append: Append | None, context: FlightContext) -> bytes:
         try:
-            value = await self.loader()
+            value = await invoke(self.loader, context if self.with_context else None)
         except self.not_found:
             return NOT_FOUND_TAG
         if value is NOT_FOUND:
@@ -88,8 +95,9 @@ class StreamJob:
         self.generation: bytes | None = None  # the claim whose chunks `local` holds
         self.lease: tuple[float, int] | None = None  # streams are not near-cached
         self.cost_ms: int | None = None
+        self.key: Any = None
 
-    async def run(self, append: Append | None) -> bytes:
+    async def run(self, append: Append | None, context: FlightContext) -> bytes:
         self.local.opened(MISS)
         self.local.restart()  # a takeover: chunks of an earlier owner must not mix with ours
         self.generation = OWN

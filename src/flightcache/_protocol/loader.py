@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from .._errors import FlightError, FlightTimeout
 from .._types import CallOptions
@@ -25,18 +26,28 @@ def error_ttl_ms(exc: BaseException, opts: CallOptions) -> int:
 MAX_ERROR_TTL_S = 86400.0
 
 
-async def wait_bounded(task: asyncio.Future[bytes], timeout_s: float, digest: str) -> bytes:
+async def wait_bounded(
+    task: asyncio.Future[bytes],
+    timeout_s: float,
+    digest: str,
+    on_cancel: Callable[[], None] | None = None,
+) -> bytes:
     """The task's result, or FlightTimeout after ``timeout_s`` with the task cancelled.
 
     A loader that ignores cancellation is given ``CANCEL_GRACE_S`` and then abandoned, so a
-    hung loader can never hold its callers (or its heartbeat) past the bound.
+    hung loader can never hold its callers (or its heartbeat) past the bound. ``on_cancel``
+    is told before the task is cancelled (the loader's ``FlightContext``).
     """
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         task.cancel()  # the flight itself is being cancelled (the cache is closing)
         raise
     if not done:
+        if on_cancel is not None:
+            on_cancel()
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
         if not done:

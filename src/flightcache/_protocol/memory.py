@@ -8,16 +8,18 @@ expiry, encoded exactly as on Redis so size limits and codec errors behave the s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .._codec import NOT_FOUND_TAG, Envelope
-from .._errors import FlightTimeout, SerializationError, ValueTooLarge
+from .._errors import FlightTimeout, LeaseLost, SerializationError, ValueTooLarge
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo, Invalidation, Stats
 from .base import Opening
+from .context import FlightContext
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 
@@ -38,7 +40,11 @@ class MemoryFlights:
         self.max_ttl_ms = int(max_ttl_s * 1000) if max_ttl_s is not None else None
         self.clock = clock
         self._store: dict[str, tuple[float, bytes]] = {}
-        self._running: set[str] = set()
+        self._running: dict[str, int] = {}  # digest -> the running flight's token
+        self._tokens = itertools.count(1)  # one process: a counter is a fencing token
+        # Running flights whose key was replaced or deleted meanwhile: their result is
+        # delivered to their callers, not stored (as the invalidated mark does on a server).
+        self._marked: set[int] = set()
 
     async def lookup(self, fk: FlightKeys) -> bytes | None:
         item = self._store.get(fk.digest)
@@ -87,11 +93,12 @@ class MemoryFlights:
             return hit
         self.stats.misses += 1
         self.stats.loader_runs += 1
-        self._running.add(fk.digest)
+        token = self._running[fk.digest] = next(self._tokens)
         ran_from = self.clock()
-        work = asyncio.ensure_future(job.run(None))
+        context = FlightContext(job.key, fk.digest, token, 1, clock=self.clock)
+        work = asyncio.ensure_future(job.run(None, context))
         try:
-            data = await wait_bounded(work, opts.timeout_s, fk.digest)
+            data = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
         except FlightTimeout:
             self.stats.timeouts += 1
             raise
@@ -106,7 +113,12 @@ class MemoryFlights:
                 self._put(fk, self.envelope.encode_error(exc), ttl_ms)
             raise
         finally:
-            self._running.discard(fk.digest)
+            if self._running.get(fk.digest) == token:
+                del self._running[fk.digest]
+            marked = token in self._marked
+            self._marked.discard(token)
+        if marked:
+            return data
         ttl_ms = opts.not_found_ttl_ms if data == NOT_FOUND_TAG else opts.ttl_ms
         if opts.store and ttl_ms > 0:
             jitter = random.uniform(-self.ttl_jitter, self.ttl_jitter)
@@ -116,8 +128,18 @@ class MemoryFlights:
             job.lease = (stored_at, self.ttl_left_ms(fk))
         return data
 
-    async def replace(self, fk: FlightKeys, data: bytes | None, ttl_ms: int) -> Invalidation:
-        """Delete (``data`` None) or replace a stored result; one process, nothing to wait for."""
+    async def replace(
+        self, fk: FlightKeys, data: bytes | None, ttl_ms: int, if_token: int | None = None
+    ) -> Invalidation:
+        """Delete (``data`` None) or replace a stored result; one process, nothing to wait
+        for. With ``if_token``, only while that token's flight runs (else ``LeaseLost``)."""
+        if if_token is not None and self._running.get(fk.digest) != if_token:
+            raise LeaseLost(
+                f"token {if_token} is not the owner's of this key", key=fk.digest, token=if_token
+            )
+        running = self._running.get(fk.digest)
+        if running is not None:
+            self._marked.add(running)
         existed = self._store.pop(fk.digest, None) is not None
         if data is not None:
             self._put(fk, data, ttl_ms)
@@ -131,8 +153,9 @@ class MemoryFlights:
             left = int((self._store[fk.digest][0] - self.clock()) * 1000)
             state = "error-cached" if self.envelope.is_error(data) else "cached"
             return FlightInfo(key=None, digest=fk.digest, state=state, result_ttl_ms=left)
-        state = "running" if fk.digest in self._running else "vacant"
-        return FlightInfo(key=None, digest=fk.digest, state=state)
+        token = self._running.get(fk.digest)
+        state = "running" if token is not None else "vacant"
+        return FlightInfo(key=None, digest=fk.digest, state=state, token=token)
 
     async def aclose(self) -> None:
         self._store.clear()

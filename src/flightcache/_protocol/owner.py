@@ -31,6 +31,7 @@ from .._errors import (
 )
 from .._keys import FlightKeys
 from .._types import CallOptions, Stats
+from .context import FlightContext
 from .heartbeat import Lease, Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
@@ -83,11 +84,17 @@ class Owner:
         await self.renewer.aclose()
 
     async def run(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
+        self,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        token: int,
+        granted_at: float,
+        attempt: int = 1,
     ) -> bytes:
         self.stats.owning += 1
         try:
-            return await self._run(fk, job, opts, token, granted_at)
+            return await self._run(fk, job, opts, token, granted_at, attempt)
         finally:
             self.stats.owning -= 1
 
@@ -143,7 +150,13 @@ class Owner:
     # -- the loader ----------------------------------------------------------------------
 
     async def _run(
-        self, fk: FlightKeys, job: Job, opts: CallOptions, token: int, granted_at: float
+        self,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        token: int,
+        granted_at: float,
+        attempt: int,
     ) -> bytes:
         self.stats.loader_runs += 1
         ran_from = self.clock()
@@ -168,7 +181,10 @@ class Owner:
                 self._fenced(fk, token)
             chunks[0] = first_seq + len(batch)
 
-        work = asyncio.ensure_future(job.run(append))
+        # The loader's view of its run: the token, and the lease the renewer last proved
+        # (it starts running only after the lease is tracked: the next turn of the loop).
+        context = FlightContext(job.key, fk.digest, token, attempt, clock=self.clock)
+        work = asyncio.ensure_future(job.run(append, context))
         heartbeat = self.renewer.add(
             work,
             lease_s=opts.lease_ms / 1000,
@@ -176,8 +192,10 @@ class Owner:
             granted_at=granted_at,
             args=(fk, token, opts.lease_ms, stream_ttl),
         )
+        context.track(heartbeat)
+        work.add_done_callback(lambda w: context.cancel() if w.cancelled() else None)
         try:
-            encoded = await wait_bounded(work, opts.timeout_s, fk.digest)
+            encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
         except WorkCancelled:
             self.renewer.remove(heartbeat)
             if heartbeat.lost:
