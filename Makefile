@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-redis bench lint clean
+.PHONY: demo test test-redis bench soak lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,12 @@ test-redis: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The fault soak (docs/faults.md): about 2.5 minutes against one server; pass options with
+# SOAK_ARGS, e.g. make soak SOAK_ARGS="--cluster --seed 7 --seconds 60".
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/python -m soak $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -61,11 +61,11 @@ def table(report: checker.Report) -> str:
         if report.faults.get(kind) or kind in ("kill", "stop"):
             lines.append(f"{name:<24}{report.faults.get(kind, 0):>9}")
     lines.append("")
-    lines.append(f"{'check':<52}{'violations':>11}")
+    lines.append(f"{'check':<64}{'violations':>11}")
     for name, what in checker.CHECKS.items():
-        lines.append(f"{name + ': ' + what:<52}{len(report.violations[name]):>11}")
+        lines.append(f"{name + ': ' + what:<64}{len(report.violations[name]):>11}")
     for why, n in report.excused.items():
-        lines.append(f"  excused (fresh): {why}: {n}")
+        lines.append(f"  excused, {why}: {n}")
     f = report.figures
     hit = ", ".join(f"{k} {n}" for k, n in f["owner_faults_by_kind"].items())
     lines.append("")

@@ -11,10 +11,12 @@
    returned a value it replaced: a value stored before the invalidation started (a
    ``set()`` that had returned by then, or a loader run that started before it, read from
    the store, i.e. by a call that started after its owner's call had returned).
-4. ``runs``: loader runs <= flights + owner faults: every loader run whose value no caller
-   received, and every run beyond the first of a group of runs of one key that overlapped
-   in time, was hit by a fault (its process killed or stopped, its link cut or slowed, the
-   server restarted or failed over, around its run).
+4. ``runs``: loader runs <= flights + owner faults. A run is hit by a fault when its
+   process was killed or stopped, its link cut or slowed, or the server restarted or failed
+   over, during the run or within ``AROUND_S`` of it, or when it ran in fail-open (no
+   token: no flight on the server had it). The runs hit by no fault are the flights: no two
+   of one key may overlap in time (single flight), and every run whose value no caller
+   received must have been hit by a fault (an owner that completed delivers its value).
 5. ``exceptions``: no operation raised an exception outside the ``FlightError`` tree.
 
 Some cases of (3) are documented limits of the library, not violations; they are counted as
@@ -39,6 +41,7 @@ CHECKS = {
     "bound": "no caller waited past its bound",
     "provenance": "every value came from a finished run of its key",
     "fresh": "no read after an invalidate/set returned its old value",
+    "order": "no read went back to a run older than one already read",
     "runs": "loader runs <= flights + owner faults",
     "exceptions": "no exception outside FlightError",
 }
@@ -272,23 +275,25 @@ def check(folder: Path) -> Report:
     for op in ops:
         if op["op"] in ("invalidate", "set") and op["ok"]:
             invalidations[op["key"]].append(op)
+    asked = _asked(reads)
     for op in reads:
         rid = run_of(op["value"])
         run = runs.get(rid or "")
         if run is None or rid not in stored_by:
             continue
+        began = asked[id(op)]
         for inv in invalidations.get(op["key"], ()):
-            if inv["t1"] >= op["t0"] or run_of(inv.get("set")) == rid:
+            if inv["t1"] >= began or run_of(inv.get("set")) == rid:
                 continue
             if run.kind == "set":
                 replaced = stored_by[run.id] < inv["t0"]
             else:
-                replaced = run.start < inv["t0"] and stored_by[run.id] < op["t0"]
+                replaced = run.start < inv["t0"] and stored_by[run.id] < began
             if not replaced:
                 continue
             excuse = _excuse(op, run, inv, faults)
             if excuse:
-                excused[excuse] += 1
+                excused["fresh: " + excuse] += 1
             else:
                 violations["fresh"].append(
                     Violation(
@@ -299,6 +304,38 @@ def check(folder: Path) -> Report:
                     )
                 )
             break
+
+    # 3b. no read goes back to an older value once a newer one was read: the newer one is a
+    # loader run (of a server flight) or a set(), by when it started
+    by_key_reads: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for op in reads:
+        if run_of(op["value"]) in runs:
+            by_key_reads[op["key"]].append(op)
+    for key, key_reads in by_key_reads.items():
+        finished = [(op["t1"], runs[run_of(op["value"]) or ""]) for op in key_reads]
+        finished = [(t1, r) for t1, r in finished if r.kind == "set" or r.tok is not None]
+        for op in key_reads:
+            older = runs[run_of(op["value"]) or ""]
+            began = asked[id(op)]
+            if older.kind == "set" or older.tok is None or stored_by.get(older.id, began) >= began:
+                continue  # (a set's value has no start to compare; or it may follow the flight)
+            newest = max(
+                (r for t1, r in finished if t1 < began), key=lambda r: r.start, default=None
+            )
+            if newest is None or newest.start <= older.start:
+                continue
+            excuse = _excuse_order(op, older, newest, began, invalidations.get(key, []), faults)
+            if excuse:
+                excused["order: " + excuse] += 1
+                continue
+            violations["order"].append(
+                Violation(
+                    "order",
+                    f"{op['op']} {key!r} got {older.id} after a read had finished with "
+                    f"{newest.id}, which started {newest.start - older.start:.3f} s later",
+                    [op, older, newest],
+                )
+            )
 
     # 4. loader runs <= flights + owner faults
     received = {run_of(op["value"]) for op in reads}
@@ -320,35 +357,28 @@ def check(folder: Path) -> Report:
                     [run],
                 )
             )
-    flights = 0
-    by_key: dict[str, list[Run]] = defaultdict(list)
+    # Runs hit by no fault are the flights: two of one key must never overlap in time.
+    clean_by_key: dict[str, list[Run]] = defaultdict(list)
     for run in loads:
-        by_key[run.key].append(run)
-    for key_runs in by_key.values():
+        if run.id not in faulted:
+            clean_by_key[run.key].append(run)
+    for key_runs in clean_by_key.values():
         key_runs.sort(key=lambda r: r.start)
-        group: list[Run] = []
-        group_end = -1.0
-        for run in [*key_runs, None]:
-            finish = 0.0
-            if run is not None:
-                finish = run.end or run.cancelled or faults.death.get(run.pid) or faults.end
-            if run is None or run.start > group_end:
-                if group:
-                    flights += 1
-                    clean = [r for r in group if r.id not in faulted]
-                    if len(clean) > 1:
-                        violations["runs"].append(
-                            Violation(
-                                "runs",
-                                f"{len(group)} runs of {group[0].key!r} at once, "
-                                f"{len(clean)} of them hit by no fault",
-                                clean,
-                            )
-                        )
-                group, group_end = [], -1.0
-            if run is not None:
-                group.append(run)
-                group_end = max(group_end, finish)
+        before = key_runs[0]
+        for after in key_runs[1:]:
+            if after.start < (before.end or before.cancelled or faults.end):
+                violations["runs"].append(
+                    Violation(
+                        "runs",
+                        f"two runs of {before.key!r} at once, neither hit by a fault",
+                        [before, after],
+                    )
+                )
+            if (after.end or after.cancelled or faults.end) > (
+                before.end or before.cancelled or faults.end
+            ):
+                before = after  # the run that ends last is the one later runs must follow
+    flights = sum(len(v) for v in clean_by_key.values())
 
     # 5. exceptions outside the FlightError tree
     for op in ops:
@@ -375,6 +405,23 @@ def check(folder: Path) -> Report:
         "bound_s": bound,
     }
     return Report(config, dict(outcome), faults.counts, violations, excused, figures)
+
+
+def _asked(reads: list[dict[str, Any]]) -> dict[int, float]:
+    """When each read's answer was asked for: a call that found an earlier call of its own
+    process, same key, still waiting (and got the same answer) may have joined it (local
+    single-flight), so its answer may have been asked for when that one started."""
+    asked: dict[int, float] = {}
+    waiting: dict[tuple[int, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for op in sorted(reads, key=lambda o: o["t0"]):
+        began = op["t0"]
+        slot = (op["pid"], op["key"], op["op"] if op["op"] == "stream" else "do")
+        for other in waiting[slot]:
+            if other["t1"] >= op["t0"] and run_of(other["value"]) == run_of(op["value"]):
+                began = min(began, asked[id(other)])
+        waiting[slot] = [o for o in waiting[slot] if o["t1"] >= op["t0"]] + [op]
+        asked[id(op)] = began
+    return asked
 
 
 def _provenance(op: dict[str, Any], runs: dict[str, Run]) -> str | None:
@@ -411,6 +458,32 @@ def _provenance(op: dict[str, Any], runs: dict[str, Run]) -> str | None:
         return f"{op['op']} {key!r} returned {rid} before its loader finished"
     if value.get("tok") != run.tok:
         return f"{op['op']} {key!r} got {rid} with token {value.get('tok')}, not {run.tok}"
+    return None
+
+
+def _excuse_order(
+    op: dict[str, Any],
+    older: Run,
+    newest: Run,
+    began: float,
+    invalidations: list[dict[str, Any]],
+    faults: Faults,
+) -> str | None:
+    """What explains a read of ``older`` after ``newest`` was read, if anything does.
+
+    A newer run starts only after the older run's result left the store: by expiry (no lease
+    outlives it), or by an invalidation, which near caches may still be serving until it
+    returns. Else as for ``fresh``: failovers, and restarts the reader could not hear."""
+    for inv in invalidations:
+        if inv["t0"] <= newest.start and inv["t1"] > began:
+            return "invalidation still under way"
+    if _hits(faults.failovers, older.start - 1.0, op["t1"]):
+        return "failover (replication is asynchronous)"
+    for t in faults.restarts:
+        if older.start <= t <= began and (
+            _at(faults.stopped.get(op["pid"], ()), t) or _at(faults.link.get(op["w"], ()), t)
+        ):
+            return "server restart the reader could not hear"
     return None
 
 

@@ -45,13 +45,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # Cluster, which clients reach directly) are dropped, restart becomes failover there.
 PROFILES: dict[str, dict[str, float]] = {
     "mixed": {"kill": 2, "stop": 2, "stop-owner": 2, "restart": 1, "cut": 2, "slow": 2},
-    "stops": {"stop": 2, "stop-owner": 5, "kill": 1},
+    "stops": {"stop": 1, "stop-owner": 6, "kill": 1},
     "none": {},
 }
 # Seconds between two faults, per profile.
 GAPS: dict[str, tuple[float, float]] = {
     "mixed": (0.4, 1.6),
-    "stops": (0.5, 1.5),
+    "stops": (0.4, 1.2),
     "none": (1.0, 1.0),
 }
 
@@ -284,7 +284,7 @@ class Nemesis:
         if not owners:
             return False
         run, i = self.rng.choice(sorted(owners))
-        return self._stop(i, run, self.rng.uniform(2.5, 4.0))
+        return self._stop(i, run, self.rng.uniform(3.0, 5.0))
 
     def _stop(self, i: int | None = None, run: str | None = None, pause: float = 0.0) -> bool:
         if i is None:
