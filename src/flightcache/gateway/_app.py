@@ -1,10 +1,11 @@
 """``flightcache serve``: an OpenAI-compatible gateway in which identical requests, across
 every replica that shares one Redis, become one upstream call (docs/gateway.md).
 
-``POST /v1/chat/completions`` and ``/v1/completions`` always go upstream as streams (with
-usage) through ``fc.stream``, so a request and its streaming twin share one flight: stream
-clients get the chunks live as SSE, non-stream clients get the answer assembled from them.
-``POST /v1/embeddings`` is a flight of one chunk. Everything else is proxied untouched.
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (OpenAI's Responses
+API) and ``/v1/messages`` (Anthropic's Messages API) always go upstream as streams through
+``fc.stream``, so a request and its streaming twin share one flight: stream clients get the
+events live as SSE, non-stream clients get the answer they add up to. ``POST
+/v1/embeddings`` is a flight of one chunk. Everything else is proxied untouched.
 ``GET /metrics`` (Prometheus) and ``GET /healthz`` are the gateway's own. ``docs/gateway.md``
 describes the keys, the policy, the headers and the error behaviour.
 """
@@ -29,12 +30,20 @@ from starlette.routing import Route
 from .._cache import FlightCache
 from .._errors import BackendUnavailable, FlightError, StreamRestarted
 from .._protocol.streaming import FlightStream
-from ._assemble import assemble, for_client, mark_cached
+from ..integrations._answers import (
+    age_of,
+    answer_of,
+    for_client,
+    is_stamp,
+    mark_cached,
+    stamped,
+    usage_of,
+)
 from ._config import GatewayConfig
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
-from ._requestkey import BadRequest, Plan, Policy, plan_request
+from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
 from ._upstream import Upstream, UpstreamError, describe_error, openai_error
-from ._wire import error_response
+from ._wire import anthropic_body, error_response
 
 __all__ = ["GatewayConfig", "make_app"]
 
@@ -51,6 +60,41 @@ def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _event(plan: Plan, data: Any) -> bytes:
+    """One SSE event: ``data`` only on the completion routes, named after the event's
+    ``type`` on the Responses and Messages APIs (the Anthropic client reads the names)."""
+    if plan.route in ("responses", "messages") and isinstance(data, dict):
+        return b"event: " + str(data.get("type")).encode() + b"\n" + _sse(data)
+    return _sse(data)
+
+
+def _stream_error(plan: Plan, status: int, body: dict[str, Any], sent: int) -> bytes:
+    """The SSE error event that ends a stream after its first event, in the route's shape."""
+    if plan.route == "messages":
+        return b"event: error\n" + _sse(anthropic_body(status, body))
+    if plan.route == "responses":
+        given = body.get("error")
+        error: dict[str, Any] = given if isinstance(given, dict) else {}
+        event = {"type": "error", "code": error.get("code"), "message": error.get("message")}
+        event |= {"param": error.get("param"), "sequence_number": sent}
+        return b"event: error\n" + _sse(event)
+    return _sse(body)
+
+
+def _error_body(plan: Plan, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return anthropic_body(status, body) if plan.route == "messages" else body
+
+
+class _Opened:
+    """A joined flight: the caller's source, its chunks so far, and the answer's age."""
+
+    def __init__(self, source: str, flight: FlightStream, chunks: list[Any]) -> None:
+        self.source = source
+        self.flight = flight
+        self.chunks = chunks
+        self.age: float | None = None
 
 
 class _Failed(Exception):
@@ -135,9 +179,13 @@ class _Gateway:
             parts.append(part)
         return b"".join(parts)
 
-    def _refused(self, exc: BadRequest) -> Response:
+    def _refused(self, exc: BadRequest, route: str | None = None) -> Response:
         self.metrics.error("bad_request")
-        return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+        refused = error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+        if route == "messages":
+            body = anthropic_body(exc.status, orjson.loads(bytes(refused.body)))
+            return _json(body, exc.status)
+        return refused
 
     # -- the cached routes ---------------------------------------------------------------
 
@@ -146,36 +194,48 @@ class _Gateway:
             raw = await self._read_body(request)
             plan = plan_request(request.url.path, raw, request.headers, self.config.policy)
         except BadRequest as exc:
-            return self._refused(exc)
+            return self._refused(exc, ROUTES.get(request.url.path))
         if plan.bypass:
+            log.debug("%s: proxied uncached (%s)", plan.route, plan.bypass_reason)
             return await self._bypass(request, raw, plan)
         forwarded = Upstream.forwarded_headers(request.headers)
         try:
-            source, flight, chunks = await self._open(plan, forwarded)
+            opened = await self._open(plan, forwarded)
         except BackendUnavailable as exc:
             log.warning("key %s: cache server unavailable (%s); proxying directly", plan.key, exc)
             self.metrics.error("backend")
             return await self._bypass(request, raw, plan)
         except _Failed as failed:
             return self._error_response(failed.error, failed.source, plan)
+        source, flight, chunks = opened.source, opened.flight, opened.chunks
         headers = {"x-cache": source, "x-flightcache-key": plan.key}
+        if source == "HIT" and opened.age is not None:
+            headers["age"] = str(int(opened.age))
         log.debug("%s key %s: %s", plan.route, plan.key, source)
         if plan.stream:
             headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
             events = self._events(plan, source, flight, chunks)
             return StreamingResponse(events, headers=headers, media_type="text/event-stream")
         await flight.aclose()
-        answer: Any
-        if plan.route == "embeddings":
-            if len(chunks) != 1 or not isinstance(chunks[0], dict):
-                failure = UpstreamError(502, openai_error("no embeddings answer", status=502))
-                return self._error_response(failure, source, plan)
-            answer = chunks[0]
-        else:
-            answer = assemble(plan.route, chunks)
+        try:
+            answer = answer_of(plan.route, chunks)
+        except ValueError:
+            message = f"flightcache gateway: no {plan.route} answer in the upstream's stream"
+            failure = UpstreamError(502, openai_error(message, status=502))
+            return self._error_response(failure, source, plan)
         if source == "HIT":
-            answer = mark_cached(answer)
+            answer = mark_cached(plan.route, answer)
+        self._saved(plan, source, chunks)
         return _json(answer, 200, headers)
+
+    def _saved(self, plan: Plan, source: str, chunks: list[Any]) -> None:
+        """Count the tokens a caller got without an upstream call of its own."""
+        if source not in ("HIT", "COALESCED"):
+            return
+        usage = usage_of(plan.route, chunks)
+        if usage is not None:
+            model = usage.model or str(plan.body.get("model") or "")
+            self.metrics.saved(model, plan.tenant, usage.prompt, usage.completion)
 
     def _producer(self, plan: Plan, headers: Mapping[str, str]) -> Any:
         upstream = self.upstream
@@ -184,42 +244,51 @@ class _Gateway:
             async def one_answer() -> AsyncIterator[Any]:
                 yield await upstream.fetch_json(plan.route, plan.path, plan.upstream_body, headers)
 
-            return one_answer
-        return lambda: upstream.stream_chunks(plan.route, plan.path, plan.upstream_body, headers)
+            return lambda: stamped(one_answer())
+        return lambda: stamped(
+            upstream.stream_chunks(plan.route, plan.path, plan.upstream_body, headers)
+        )
 
-    async def _open(
-        self, plan: Plan, headers: Mapping[str, str]
-    ) -> tuple[str, FlightStream, list[Any]]:
-        """Join or start the flight: the caller's source and its first chunk (stream
+    async def _open(self, plan: Plan, headers: Mapping[str, str]) -> _Opened:
+        """Join or start the flight: the caller's source and its first event (stream
         clients) or all of them (others). Where the caller has sent nothing yet, a restarted
-        stream is joined again, and under shared keys so is another caller's auth error."""
+        stream is joined again, and under shared keys so is another caller's auth error; a
+        stored answer older than the request's ``max-age`` is refreshed."""
         shared_auth_retried = False
+        refresh = plan.refresh
         attempt = 0
         while True:
             attempt += 1
             producer = self._producer(plan, headers)
             flight = self.fc.stream(
-                plan.key, producer, ttl=plan.ttl, refresh=plan.refresh, store=plan.store
+                plan.key, producer, ttl=plan.ttl, refresh=refresh, store=plan.store
             )
-            source = "NONE"
+            opened = _Opened("NONE", flight, [])
             try:
-                source = await flight.opened()
-                chunks: list[Any] = []
+                opened.source = await flight.opened()
                 async for chunk in flight:
-                    chunks.append(chunk)
-                    if plan.stream:
+                    opened.chunks.append(chunk)
+                    if is_stamp(chunk):
+                        opened.age = age_of(chunk)
+                    elif plan.stream:
                         break  # the rest is streamed to the client as it comes
-                return source, flight, chunks
+                stale = plan.max_age is not None and (opened.age or 0.0) > plan.max_age
+                if opened.source == "HIT" and stale and not refresh:
+                    await flight.aclose()
+                    refresh = True  # older than the caller accepts: a new answer
+                    continue
+                return opened
             except StreamRestarted as exc:
                 await flight.aclose()
                 if attempt >= MAX_ATTEMPTS:
-                    raise _Failed(source, exc) from exc
+                    raise _Failed(opened.source, exc) from exc
                 log.info("key %s: stream restarted by a new owner; joining again", plan.key)
             except BackendUnavailable:
                 await flight.aclose()
                 raise
             except Exception as exc:
                 await flight.aclose()
+                source = opened.source
                 status = describe_error(exc)[0]
                 foreign = self.config.policy.share_across_keys and source != "MISS"
                 if not (foreign and status in (401, 403)):
@@ -239,21 +308,28 @@ class _Gateway:
         self, plan: Plan, source: str, flight: FlightStream, first: list[Any]
     ) -> AsyncIterator[bytes]:
         hit = source == "HIT"
+        seen = list(first)
+        sent = 0
         try:
             for chunk in first:
-                out = for_client(chunk, plan.include_usage, hit)
+                out = for_client(plan.route, chunk, plan.include_usage, hit)
                 if out is not None:
-                    yield _sse(out)
+                    sent += 1
+                    yield _event(plan, out)
             async for chunk in flight:
-                out = for_client(chunk, plan.include_usage, hit)
+                seen.append(chunk)
+                out = for_client(plan.route, chunk, plan.include_usage, hit)
                 if out is not None:
-                    yield _sse(out)
-            yield b"data: [DONE]\n\n"
+                    sent += 1
+                    yield _event(plan, out)
+            if plan.route in ("chat", "completions"):
+                yield b"data: [DONE]\n\n"
+            self._saved(plan, source, seen)
         except Exception as exc:  # after the first byte: an SSE error event ends the stream
             status, body, _, kind = describe_error(exc)
             self.metrics.error(kind)
             log.warning("key %s: stream ended by an error (%d, %s)", plan.key, status, kind)
-            yield _sse(body)
+            yield _stream_error(plan, status, body, sent)
         finally:
             await flight.aclose()
 
@@ -265,7 +341,7 @@ class _Gateway:
         else:
             log.info("key %s: error %d (%s)", plan.key, status, kind)
         headers = {**headers, "x-cache": source, "x-flightcache-key": plan.key}
-        return _json(body, status, headers)
+        return _json(_error_body(plan, status, body), status, headers)
 
     async def _bypass(self, request: Request, raw: bytes, plan: Plan) -> Response:
         return await self.upstream.proxy(
@@ -371,6 +447,8 @@ def make_app(
         Route("/v1/chat/completions", gateway.cached_route, methods=["POST"]),
         Route("/v1/completions", gateway.cached_route, methods=["POST"]),
         Route("/v1/embeddings", gateway.cached_route, methods=["POST"]),
+        Route("/v1/responses", gateway.cached_route, methods=["POST"]),
+        Route("/v1/messages", gateway.cached_route, methods=["POST"]),
         Route("/metrics", gateway.metrics_endpoint, methods=["GET"]),
         Route("/healthz", gateway.healthz, methods=["GET"]),
         Route("/{path:path}", gateway.passthrough, methods=ALL_METHODS),

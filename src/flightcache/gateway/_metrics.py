@@ -3,9 +3,11 @@
 Counted by :class:`Accounting`, an ASGI middleware that sees every response: requests by
 route, ``X-Cache`` outcome and status, the request duration (to the last byte) and the time
 to the first byte. The upstream client counts its calls by route and status, the handlers
-count errors by kind, and the :class:`flightcache.FlightCache` counters are read at scrape
-time. Routes are a fixed set of labels (``chat``, ``completions``, ``embeddings``, ``other``),
-never the raw path.
+count errors by kind and the tokens a cached or coalesced answer saved (by model and tenant
+digest), and the :class:`flightcache.FlightCache` counters are read at scrape time. Routes
+are a fixed set of labels (``chat``, ``completions``, ``embeddings``, ``responses``,
+``messages``, ``other``), never the raw path; at most ``MAX_SAVED_SERIES`` (model, tenant)
+pairs are labelled, later ones count as ``other``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ _STAT_HELP = {
 }
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 _OUTCOMES = frozenset({b"HIT", b"MISS", b"COALESCED", b"BYPASS"})
+MAX_SAVED_SERIES = 1000
 
 
 class _CacheCollector:
@@ -112,6 +115,22 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "flightcache_gateway_requests_in_flight", "Requests being answered", registry=r
         )
+        self.saved_tokens = Counter(
+            "flightcache_gateway_saved_tokens",
+            "Tokens not bought: the upstream's usage of answers served from the cache (HIT) "
+            "or shared from another caller's flight (COALESCED), by model, tenant digest and "
+            "kind (prompt, completion)",
+            ["model", "tenant", "kind"],
+            registry=r,
+        )
+        self.saved_requests = Counter(
+            "flightcache_gateway_saved_requests",
+            "Answers served without an upstream call of their own (HIT or COALESCED), by "
+            "model and tenant digest",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self._saved_series: set[tuple[str, str]] = set()
         self._stats: Callable[[], dict[str, int] | None] = lambda: None
         r.register(_CacheCollector(lambda: self._stats()))
 
@@ -124,6 +143,18 @@ class GatewayMetrics:
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()
+
+    def saved(self, model: str, tenant: str, prompt: int, completion: int) -> None:
+        """An answer this caller got without an upstream call of its own, and its tokens."""
+        series = (model[:100], tenant)
+        if series not in self._saved_series:
+            if len(self._saved_series) >= MAX_SAVED_SERIES:
+                series = ("other", "other")
+            else:
+                self._saved_series.add(series)
+        self.saved_requests.labels(*series).inc()
+        self.saved_tokens.labels(*series, "prompt").inc(prompt)
+        self.saved_tokens.labels(*series, "completion").inc(completion)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

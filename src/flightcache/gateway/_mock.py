@@ -1,15 +1,18 @@
 """``flightcache mock-upstream``: a test double of an OpenAI-compatible API, not a model.
 
 It answers ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` (stream
-and non-stream, ``stream_options.include_usage``) and ``GET /v1/models`` in the shapes of the
-official API, with text that is a pure function of the request: the same request always gets
-the same words, whatever ``stream``, ``stream_options`` or ``max_tokens`` say (a shorter
-``max_tokens`` gives a prefix, ``finish_reason: "length"``). Every choice has ``text_tokens``
+and non-stream, ``stream_options.include_usage``), ``POST /v1/responses`` (the Responses API)
+and ``POST /v1/messages`` (Anthropic's Messages API; ``_mock_apis`` has their answers and
+events) and ``GET /v1/models`` in the shapes of the official APIs, with text that is a pure
+function of the request: the same request always gets the same words, whatever ``stream``,
+``stream_options`` or ``max_tokens`` say (a shorter ``max_tokens`` gives a prefix,
+``finish_reason: "length"``). Every choice has ``text_tokens``
 tokens (words) unless ``max_tokens`` / ``max_completion_tokens`` is smaller. The first token
 comes ``latency_ms`` after the request, then ``tokens_per_s`` tokens a second (``None``: no
 pacing); a non-stream answer comes when its last token would have.
 
-Like the real API it wants ``Authorization: Bearer <key>`` (401 without), and it never logs
+Like the real API it wants ``Authorization: Bearer <key>`` (401 without; ``/v1/messages``
+takes ``x-api-key`` too, and answers errors in the Anthropic shape), and it never logs
 or returns the key: ``/stats`` counts callers by a digest of it.
 
 Not under ``/v1``, for the tests that drive it:
@@ -61,7 +64,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._wire import error_response
+from ._mock_apis import Generation, MockBadRequest, count_words, digest, generation
+from ._mock_apis import tokens as make_tokens
+from ._wire import anthropic_error, error_response
 
 __all__ = ["MODES", "MockSettings", "MockState", "error_response", "make_mock_app", "mock_state"]
 
@@ -76,13 +81,6 @@ _NOT_IN_TEXT_SEED = frozenset(
     {"stream", "stream_options", "max_tokens", "max_completion_tokens", "n", "user", "metadata"}
     | {"store", "service_tier", "prompt"}
 )
-_WORDS = (
-    "amber basil cedar delta ember fable garnet harbor indigo juniper kestrel lantern meadow "
-    "nimbus orchard pepper quartz raven saffron timber umber velvet willow xenon yarrow zephyr "
-    "anchor breeze canyon dune echo fjord glacier heron island jasper kelp lagoon mesa nectar "
-    "onyx prairie quill reef summit tundra upland valley wharf yonder zenith atlas beacon "
-    "comet drift falcon grove haven ivory"
-).split()
 _BEARER = re.compile(r"bearer[ \t]+(\S+)[ \t]*", re.IGNORECASE)
 _Ask = TypeVar("_Ask")  # what a route makes of a request's body
 
@@ -232,31 +230,6 @@ class _CuttableStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _digest(data: Any) -> bytes:
-    return hashlib.blake2b(orjson.dumps(data, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
-
-
-def _tokens(seed: bytes, count: int) -> list[str]:
-    """``count`` words, a pure function of ``seed``; the first without a leading space."""
-    words: list[str] = []
-    block = 0
-    while len(words) < count:
-        raw = hashlib.blake2b(seed + block.to_bytes(4, "big"), digest_size=32).digest()
-        words.extend(_WORDS[b % len(_WORDS)] for b in raw)
-        block += 1
-    return [w if i == 0 else " " + w for i, w in enumerate(words[:count])]
-
-
-def _count_words(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        return sum(_count_words(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_count_words(v) for k, v in value.items() if k in ("content", "text"))
-    return 0
-
-
 def _usage(prompt: int, completion: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
@@ -366,6 +339,11 @@ def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def _named(event: dict[str, Any]) -> bytes:
+    """A server-sent event named after its ``type`` (the Responses and Messages APIs)."""
+    return b"event: " + str(event["type"]).encode() + b"\n" + _sse(event)
+
+
 async def _until(moment: float) -> None:
     """Sleep until ``moment`` on ``time.monotonic()``."""
     delay = moment - time.monotonic()
@@ -383,7 +361,7 @@ def _inputs(value: Any, name: str) -> list[Any]:
 
 
 def _input_tokens(inputs: list[Any]) -> int:
-    return sum(len(i) if isinstance(i, list) else _count_words(i) for i in inputs)
+    return sum(len(i) if isinstance(i, list) else count_words(i) for i in inputs)
 
 
 def _plan(kind: Literal["chat", "text"], body: dict[str, Any], text_tokens: int) -> _Plan:
@@ -400,17 +378,17 @@ def _plan(kind: Literal["chat", "text"], body: dict[str, Any], text_tokens: int)
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise _BadRequest("each message must be an object with a 'role'", "messages")
         prompts = [None]
-        prompt_tokens = 3 + sum(3 + _count_words(m) for m in messages)
+        prompt_tokens = 3 + sum(3 + count_words(m) for m in messages)
     else:
         prompts = _inputs(body.get("prompt", ""), "prompt")
         prompt_tokens = _input_tokens(prompts)
     choices: list[tuple[list[str], str]] = []
     for prompt in prompts:
-        seed = _digest({**seed_fields, "prompt": prompt})
+        seed = digest({**seed_fields, "prompt": prompt})
         for j in range(n):
             count = text_tokens if limit is None else min(limit, text_tokens)
             finish = "length" if count < text_tokens else "stop"
-            choices.append((_tokens(seed + j.to_bytes(4, "big"), count), finish))
+            choices.append((make_tokens(seed + j.to_bytes(4, "big"), count), finish))
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
@@ -447,7 +425,7 @@ def _embeddings_ask(body: dict[str, Any], default_dimensions: int) -> _Embedding
 
 
 def _embedding(text: Any, dimensions: int, model: str) -> list[float]:
-    seed = _digest({"model": model, "input": text})
+    seed = digest({"model": model, "input": text})
     values: list[float] = []
     block = 0
     while len(values) < dimensions:
@@ -477,10 +455,11 @@ class _Accounting:
         state = self.state
         state.calls += 1
         state.by_route[path] += 1
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        match = _BEARER.fullmatch(auth.decode("latin-1"))
-        if match:
-            state.tenants[hashlib.sha256(match[1].encode()).hexdigest()[:12]] += 1
+        headers = dict(scope["headers"])
+        match = _BEARER.fullmatch(headers.get(b"authorization", b"").decode("latin-1"))
+        key = match[1] if match else headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        if key:
+            state.tenants[hashlib.sha256(key.encode()).hexdigest()[:12]] += 1
         state.in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.in_flight)
         status = 0
@@ -522,6 +501,9 @@ def make_mock_app(
 
     def unauthorized(request: Request) -> Response | None:
         match = _BEARER.fullmatch(request.headers.get("authorization", ""))
+        if match is None and request.url.path == "/v1/messages":
+            key = request.headers.get("x-api-key", "")
+            match = re.fullmatch(r"(\S+)", key)
         if match is None:
             return error_response(
                 401,
@@ -662,6 +644,63 @@ def make_mock_app(
         headers["cache-control"] = "no-cache"
         return _CuttableStream(events(), headers=headers, media_type="text/event-stream")
 
+    def as_anthropic(response: Response) -> Response:
+        """An error response of the Messages route, in the Anthropic shape."""
+        body = orjson.loads(bytes(response.body))
+        kept = {k: v for k, v in response.headers.items() if k == "retry-after"}
+        return anthropic_error(response.status_code, str(body["error"]["message"]), headers=kept)
+
+    def parse_generation(
+        api: Literal["responses", "messages"],
+    ) -> Callable[[dict[str, Any]], Generation]:
+        def parse(body: dict[str, Any]) -> Generation:
+            try:
+                return generation(api, body, mock.settings.text_tokens)
+            except MockBadRequest as exc:
+                raise _BadRequest(str(exc), exc.param) from None
+
+        return parse
+
+    async def generate(request: Request, api: Literal["responses", "messages"]) -> Response:
+        admitted = await admit(request, parse_generation(api))
+        if isinstance(admitted, Response):
+            return as_anthropic(admitted) if api == "messages" else admitted
+        answer, mode, settings, started = admitted
+        tps = settings.tokens_per_s
+        first_at = started + settings.latency_ms / 1000
+        count = len(answer.words)
+        headers = {"x-request-id": "req_" + uuid.uuid4().hex}
+        if not answer.request.get("stream"):
+            await _until(first_at + (count - 1) / tps if tps else first_at)
+            data = orjson.dumps(answer.body())
+            if mode == "cut":
+                return cut_body(data)
+            return Response(data, 200, headers, media_type="application/json")
+        stop_at = cut_after(settings, count) if mode == "cut" else None
+        mock.streams += 1
+        head, deltas, tail = answer.events()
+
+        async def events() -> AsyncIterator[bytes]:
+            await _until(first_at)
+            yield b"".join(_named(event) for event in head)
+            for position, event in enumerate(deltas):
+                if position == stop_at:
+                    mock.cuts += 1
+                    raise _Cut
+                if position and tps:
+                    await _until(first_at + position / tps)
+                yield _named(event)
+            yield b"".join(_named(event) for event in tail)
+
+        headers["cache-control"] = "no-cache"
+        return _CuttableStream(events(), headers=headers, media_type="text/event-stream")
+
+    async def responses(request: Request) -> Response:
+        return await generate(request, "responses")
+
+    async def messages(request: Request) -> Response:
+        return await generate(request, "messages")
+
     async def chat_completions(request: Request) -> Response:
         return await completion(request, "chat")
 
@@ -732,6 +771,8 @@ def make_mock_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/{rest:path}", not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),

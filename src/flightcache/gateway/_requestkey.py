@@ -1,31 +1,36 @@
-"""What the gateway does with one request: validation, the cache key, and the policy.
+"""What the gateway does with one request: validation, then the key and the policy.
 
-The cache key of a completion or embedding request is a digest of the route, the tenant and
-the canonical body: every field except the ones that cannot change the output (``stream``,
-``stream_options``, ``user``, ``store``, ``metadata``, ``service_tier``), with top-level
-``null`` fields dropped (the API treats them as absent) and integral floats of the numeric
-sampling parameters written as integers (``temperature: 0.0`` is ``temperature: 0``). Key
-order and whitespace do not matter. The tenant is a digest of the caller's credentials (the
-``Authorization`` header, else ``api-key`` / ``x-api-key``, plus ``OpenAI-Organization`` and
-``OpenAI-Project``), or ``*`` when the gateway shares answers across keys. The key itself is
-never stored nor logged.
-
-The policy (see ``docs/gateway.md``): a chat or text completion without ``seed`` whose
-``temperature`` is omitted or above 0 is *sampled*: coalesced while in flight, stored only
-when ``cache_sampled``. Request headers adjust one request: ``Cache-Control: no-cache``
-(skip the stored answer; still coalesce and store), ``no-store`` (do not store),
-``X-Flightcache-TTL: <seconds>``, ``X-Flightcache-Coalesce: off`` (plain proxying).
+The key and policy rules are the ones the SDK wrappers use too, and live with them
+(``flightcache.integrations._rules``, which documents them): a digest of the route, the
+tenant and the canonical body; sampled answers coalesced and stored only when
+``cache_sampled``; requests that must not be shared go upstream as they are. This module
+checks a request's shape first (an OpenAI- or Anthropic-shaped 400 naming the ``param``,
+before any upstream call) and says how the request goes upstream: always as a stream, so a
+request and its streaming twin share one flight.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
+
+from ..integrations._rules import (
+    COALESCE_HEADER,
+    DROPPED_FIELDS,
+    ROUTES,
+    TTL_HEADER,
+    BadHeader,
+    Policy,
+    Route,
+    cache_rules,
+    request_digest,
+    tenant_label,
+    tenant_of,
+)
 
 __all__ = [
     "COALESCE_HEADER",
@@ -39,23 +44,6 @@ __all__ = [
     "request_digest",
     "tenant_of",
 ]
-
-Route = Literal["chat", "completions", "embeddings"]
-ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
-
-COALESCE_HEADER = "x-flightcache-coalesce"
-TTL_HEADER = "x-flightcache-ttl"
-MAX_TTL = 365 * 24 * 3600.0
-KEY_VERSION = 1
-
-DROPPED_FIELDS = frozenset(
-    {"stream", "stream_options", "user", "store", "metadata", "service_tier"}
-)
-_NUMERIC = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
 # Field shapes the gateway checks before it computes a key; the upstream checks the rest.
 _SHAPES: dict[str, tuple[str, tuple[type, ...]]] = {
@@ -98,6 +86,31 @@ _SHAPES: dict[str, tuple[str, tuple[type, ...]]] = {
 }
 
 
+# Fields whose shape differs on one route (the Responses and Messages APIs).
+_ROUTE_SHAPES: dict[str, dict[str, tuple[str, tuple[type, ...]]]] = {
+    "responses": {
+        "prompt": ("an object", (dict,)),
+        "instructions": ("a string or an array", (str, list)),
+        "max_output_tokens": ("an integer", (int,)),
+        "previous_response_id": ("a string", (str,)),
+        "background": ("a boolean", (bool,)),
+        "include": ("an array", (list,)),
+        "text": ("an object", (dict,)),
+        "truncation": ("a string", (str,)),
+        "conversation": ("a string or an object", (str, dict)),
+    },
+    "messages": {
+        "max_tokens": ("an integer", (int,)),
+        "system": ("a string or an array", (str, list)),
+        "stop_sequences": ("an array of strings", (list,)),
+        "top_k": ("an integer", (int,)),
+        "tool_choice": ("an object", (dict,)),
+        "thinking": ("an object", (dict,)),
+        "container": ("a string or an object", (str, dict)),
+    },
+}
+
+
 class BadRequest(Exception):
     """A request the gateway refuses with a 400 (or ``status``) before any flight."""
 
@@ -111,15 +124,6 @@ class BadRequest(Exception):
 
 
 @dataclass(frozen=True)
-class Policy:
-    """The gateway's settings that decide keys and storage."""
-
-    share_across_keys: bool = False
-    cache_sampled: bool = True
-    ttl: float = 3600.0
-
-
-@dataclass(frozen=True)
 class Plan:
     """One request, decided: how it goes upstream, its key, and whether it is stored."""
 
@@ -128,44 +132,16 @@ class Plan:
     body: dict[str, Any]  # as the client sent it
     upstream_body: dict[str, Any]  # what the owner sends upstream
     stream: bool  # the client wants SSE
-    include_usage: bool  # ... with the usage chunk
+    include_usage: bool  # ... with the usage chunk (chat and text completions)
     sampled: bool
     bypass: bool  # plain proxying: no flight at all
+    bypass_reason: str | None  # why (opted_out, best_of, background, ...)
     refresh: bool  # a stored answer does not count
+    max_age: float | None  # a stored answer older than this does not count
     ttl: float  # seconds the answer is stored
     store: bool  # False: coalesced while in flight, never stored
     key: str  # the digest: X-Flightcache-Key, and the flight's key
-
-
-def tenant_of(headers: Mapping[str, str], policy: Policy) -> str:
-    """A digest of the caller's credentials (never the credentials), or ``*`` when shared."""
-    if policy.share_across_keys:
-        return "*"
-    credential = (
-        headers.get("authorization") or headers.get("api-key") or headers.get("x-api-key") or ""
-    )
-    scope = (headers.get("openai-organization") or "", headers.get("openai-project") or "")
-    if not credential and not any(scope):
-        return "anonymous"
-    material = "\x00".join(("flightcache-tenant", credential, *scope)).encode("utf-8", "replace")
-    return hashlib.sha256(material).hexdigest()[:24]
-
-
-def _canonical_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in body.items():
-        if name in DROPPED_FIELDS or value is None:
-            continue
-        if name in _NUMERIC and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        out[name] = value
-    return out
-
-
-def request_digest(path: str, body: Mapping[str, Any], tenant: str) -> str:
-    """The cache key of a request: 32 hex digits of SHA-256 over route, tenant and body."""
-    material = {"v": KEY_VERSION, "route": path, "tenant": tenant, "body": _canonical_body(body)}
-    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    tenant: str  # the caller's own tenant digest, short (metric labels)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
@@ -184,11 +160,15 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
 def _check_shapes(route: Route, body: Mapping[str, Any]) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise BadRequest("you must provide a model parameter", param="model")
+        if not (
+            route == "responses" and "model" not in body and isinstance(body.get("prompt"), dict)
+        ):
+            raise BadRequest("you must provide a model parameter", param="model")
+    shapes = _ROUTE_SHAPES.get(route, {})
     for name, value in body.items():
         if value is None:
             continue
-        shape = _SHAPES.get(name)
+        shape = shapes.get(name) or _SHAPES.get(name)
         if name == "logprobs":  # chat: a boolean; completions: an integer
             shape = ("a boolean", (bool,)) if route == "chat" else ("an integer", (int,))
         if shape is None:
@@ -204,7 +184,7 @@ def _check_shapes(route: Route, body: Mapping[str, Any]) -> None:
             raise BadRequest(f"Invalid type for '{name}': expected {what}.", param=name)
     if isinstance(body.get("stop"), list) and not all(isinstance(s, str) for s in body["stop"]):
         raise BadRequest("Invalid type for 'stop': expected an array of strings.", param="stop")
-    if route == "chat":
+    if route == "chat" or route == "messages":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array.", param="messages")
@@ -213,48 +193,16 @@ def _check_shapes(route: Route, body: Mapping[str, Any]) -> None:
                 "Each item of 'messages' must be an object with a string 'role'.",
                 param="messages",
             )
+    if route == "messages" and not isinstance(body.get("max_tokens"), int):
+        raise BadRequest("max_tokens: Field required", param="max_tokens")
     elif route == "completions":
         if "prompt" in body and not isinstance(body["prompt"], (str, list)):
             raise BadRequest("'prompt' must be a string or an array.", param="prompt")
-    elif not isinstance(body.get("input"), (str, list)):
+    elif route == "embeddings" and not isinstance(body.get("input"), (str, list)):
         raise BadRequest("'input' must be a string or an array.", param="input")
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n < 1:
         raise BadRequest("'n' must be at least 1.", param="n")
-
-
-def _cache_control(headers: Mapping[str, str]) -> set[str]:
-    value = headers.get("cache-control") or ""
-    return {part.strip().lower().split("=", 1)[0] for part in value.split(",") if part.strip()}
-
-
-def _ttl_header(headers: Mapping[str, str]) -> float | None:
-    text = headers.get(TTL_HEADER)
-    if text is None:
-        return None
-    try:
-        ttl = float(text.strip())
-    except ValueError:
-        ttl = math.nan
-    if not math.isfinite(ttl) or not 0 <= ttl <= MAX_TTL:
-        raise BadRequest(
-            f"Invalid X-Flightcache-TTL header {text[:40]!r}: expected a number of seconds "
-            f"from 0 to {MAX_TTL:g} (0: do not store).",
-            code="invalid_header",
-        )
-    return ttl
-
-
-def _coalesce_header(headers: Mapping[str, str]) -> bool:
-    text = (headers.get(COALESCE_HEADER) or "on").strip().lower()
-    if text in ("on", "true", "1", "yes"):
-        return True
-    if text in ("off", "false", "0", "no"):
-        return False
-    raise BadRequest(
-        f"Invalid X-Flightcache-Coalesce header {text[:40]!r}: expected 'on' or 'off'.",
-        code="invalid_header",
-    )
 
 
 def plan_request(path: str, raw: bytes, headers: Mapping[str, str], policy: Policy) -> Plan:
@@ -262,33 +210,20 @@ def plan_request(path: str, raw: bytes, headers: Mapping[str, str], policy: Poli
     route = ROUTES[path]
     body = _parse_body(raw)
     _check_shapes(route, body)
-    coalesce = _coalesce_header(headers)
-    header_ttl = _ttl_header(headers)
-    directives = _cache_control(headers)
+    try:
+        rules = cache_rules(route, body, headers, policy)
+    except BadHeader as exc:
+        raise BadRequest(str(exc), code=exc.code) from None
     stream = route != "embeddings" and bool(body.get("stream"))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-    temperature = body.get("temperature")
-    sampled = (
-        route != "embeddings"
-        and body.get("seed") is None
-        and (temperature is None or temperature > 0)
-    )
-    best_of = body.get("best_of")
-    # best_of > 1 cannot be streamed by the API: such requests are proxied as they are.
-    bypass = not coalesce or (route == "completions" and isinstance(best_of, int) and best_of > 1)
-    refresh = "no-cache" in directives
-    ttl = policy.ttl if header_ttl is None else header_ttl
-    store = True
-    if sampled and not policy.cache_sampled:
-        store, refresh = False, True  # coalesced while in flight, never from storage
-    if "no-store" in directives or ttl == 0:
-        store = False
-        ttl = ttl or policy.ttl
     upstream_body = dict(body)
-    if route != "embeddings":
+    if route == "chat" or route == "completions":
         upstream_body["stream"] = True
         upstream_body["stream_options"] = {"include_usage": True}
+    elif route != "embeddings":
+        upstream_body["stream"] = True
+        upstream_body.pop("stream_options", None)  # only allowed with stream: true
     return Plan(
         route=route,
         path=path,
@@ -296,10 +231,13 @@ def plan_request(path: str, raw: bytes, headers: Mapping[str, str], policy: Poli
         upstream_body=upstream_body,
         stream=stream,
         include_usage=include_usage,
-        sampled=sampled,
-        bypass=bypass,
-        refresh=refresh,
-        ttl=ttl,
-        store=store,
-        key=request_digest(path, body, tenant_of(headers, policy)),
+        sampled=rules.sampled,
+        bypass=rules.bypass is not None,
+        bypass_reason=rules.bypass,
+        refresh=rules.refresh,
+        max_age=rules.max_age,
+        ttl=rules.ttl,
+        store=rules.store,
+        key=request_digest(path, body, tenant_of(headers, policy), headers),
+        tenant=tenant_label(headers),
     )

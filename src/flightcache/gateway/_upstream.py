@@ -1,7 +1,10 @@
 """Calls to the upstream API over one shared ``httpx.AsyncClient``, and what their errors mean.
 
-- :meth:`Upstream.stream_chunks`: a completion, always streamed (``stream: true``), as the
-  parsed SSE chunk objects; ends with ``[DONE]`` or raises :class:`UpstreamError`.
+- :meth:`Upstream.stream_chunks`: an answer, always streamed (``stream: true``), as the
+  parsed SSE ``data`` objects (chat and text completion chunks, Responses and Messages
+  events); a complete stream ends with ``[DONE]`` (completions) or its terminal event
+  (``response.completed``, ``message_stop``), else :class:`UpstreamError`, as for an error
+  event in the middle of it.
 - :meth:`Upstream.fetch_json`: a plain JSON answer (embeddings).
 - :meth:`Upstream.proxy`: anything else, relayed untouched (hop-by-hop headers dropped).
 
@@ -31,7 +34,10 @@ from .._errors import (
     StreamRestarted,
     ValueTooLarge,
 )
-from ._assemble import chunks_from_completion
+from ..integrations._answers import ended, failure
+from ..integrations._chat import chunks_from_completion
+from ..integrations._events import events_from_message, events_from_response
+from ..integrations._rules import Route
 
 __all__ = [
     "HOP_BY_HOP",
@@ -59,8 +65,11 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Request headers a flight's upstream call carries (the owner's): credentials and scope.
-FORWARDED = ("authorization", "api-key", "x-api-key", "openai-organization", "openai-project")
-FORWARDED_PREFIXES = ("openai-beta",)
+FORWARDED = (
+    *("authorization", "api-key", "x-api-key", "openai-organization", "openai-project"),
+    "anthropic-version",
+)
+FORWARDED_PREFIXES = ("openai-beta", "anthropic-beta")
 # Upstream error headers a client needs to see (retry hints, the upstream's request id).
 KEPT_ERROR_HEADERS = ("retry-after", "retry-after-ms", "x-request-id")
 KEPT_ERROR_PREFIXES = ("x-ratelimit-",)
@@ -267,44 +276,41 @@ class Upstream:
             await response.aclose()
 
     async def stream_chunks(
-        self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+        self, route: Route, path: str, body: dict[str, Any], headers: Mapping[str, str]
     ) -> AsyncIterator[dict[str, Any]]:
-        """The chunks of one streamed completion, ``[DONE]`` included, or UpstreamError."""
+        """The events of one streamed answer, complete, or UpstreamError."""
         sse = {**headers, "accept": "text/event-stream"}
         async with self._post(route, path, body, sse) as response:
             try:
                 if "text/event-stream" not in response.headers.get("content-type", ""):
                     # An upstream that ignores stream: true; its whole answer becomes the chunks.
                     answer = orjson.loads(await response.aread())
-                    for chunk in chunks_from_completion(answer):
+                    for chunk in _events_of(route, answer):
                         yield chunk
                     return
                 done = False
                 async for data in _sse_data(response.aiter_lines()):
                     if data.strip() == "[DONE]":
-                        done = True
+                        done = done or route in ("chat", "completions")
                         break
-                    yield self._chunk(data)
+                    chunk = self._chunk(route, data)
+                    done = done or ended(route, chunk)
+                    yield chunk
                 if not done:
-                    message = "flightcache gateway: the upstream's stream ended before [DONE]"
+                    message = "flightcache gateway: the upstream's stream ended before its end"
                     raise UpstreamError(502, openai_error(message, status=502, code="cut"))
-            except ValueError as exc:  # orjson.JSONDecodeError, or not a completion at all
-                message = (
-                    "flightcache gateway: the upstream sent an answer that is not a completion"
-                )
+            except ValueError as exc:  # orjson.JSONDecodeError, or not an answer at all
+                message = "flightcache gateway: the upstream sent an answer of the wrong shape"
                 raise UpstreamError(502, openai_error(message, status=502)) from exc
 
-    def _chunk(self, data: str) -> dict[str, Any]:
+    def _chunk(self, route: Route, data: str) -> dict[str, Any]:
         chunk = orjson.loads(data)
         if not isinstance(chunk, dict):
             message = "flightcache gateway: the upstream sent a stream event that is not an object"
             raise UpstreamError(502, openai_error(message, status=502))
-        if chunk.get("error") is not None:  # an error event in the middle of the stream
-            error = chunk["error"]
-            code = error.get("code") if isinstance(error, dict) else None
-            status = code if isinstance(code, int) and 400 <= code <= 599 else 502
-            body = {"error": error} if isinstance(error, dict) else None
-            raise UpstreamError(status, body or openai_error(str(error)[:500], status=status))
+        failed = failure(route, chunk)
+        if failed is not None:  # an error event in the middle of the stream: never stored
+            raise UpstreamError(*failed)
         chunk.pop("obfuscation", None)  # random padding, different in every run
         return chunk
 
@@ -360,6 +366,15 @@ class Upstream:
         back += extra
         relayed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in back]
         return relayed
+
+
+def _events_of(route: Route, answer: Any) -> list[dict[str, Any]]:
+    """The stream events a non-stream answer stands for; ValueError if it is none."""
+    if route == "responses":
+        return events_from_response(answer)
+    if route == "messages":
+        return events_from_message(answer)
+    return chunks_from_completion(answer)
 
 
 async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
