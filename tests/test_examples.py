@@ -49,3 +49,11 @@ def test_threads(server: EmbeddedServer, embedded: bool) -> None:
 def test_testing() -> None:
     out = run("testing.py")
     assert "2 tests passed; pricing service calls: ['tea', 'cake', 'cake']" in out
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "server-url"])
+def test_batch(server: EmbeddedServer, embedded: bool) -> None:
+    out = run("batch.py", *([] if embedded else [server.url]))
+    assert "3 pages, queries: [[1, 2, 3, 4], [5, 6], [7]]" in out
+    assert "page 2: ['user 3', 'user 4', 'user 5', 'user 6']" in out
+    assert "later: ['user 7', 'user 8', flightcache.NOT_FOUND] query: [8, 10]" in out

@@ -32,6 +32,14 @@ from ._leases.nodes import NodeAgent, NodeInfo, invalidate_many
 from ._protections.ahead import RefreshAhead
 from ._protections.bloom import BloomFilter, admitted
 from ._protocol.base import Flights
+from ._protocol.batch import (
+    MISSING_MODES,
+    BatchLoad,
+    BatchLoader,
+    batch_arity,
+    load_many,
+    uncached_many,
+)
 from ._protocol.context import FlightContext, invoke, wants_context
 from ._protocol.failopen import FailOpen
 from ._protocol.jobs import LoaderJob, Producer
@@ -336,6 +344,56 @@ class FlightCache:
         if value is NOT_FOUND:
             return NOT_FOUND
         return self.envelope.decode(self.envelope.encode(value))
+
+    async def do_many(
+        self,
+        keys: Iterable[Any],
+        loader: BatchLoader,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+        store: bool = True,
+        missing: str = "not_found",
+    ) -> list[Any]:
+        """The values of many keys, in their order, with one loader call for those nobody has.
+
+        Stored keys are served and keys in flight in any process are followed; the others
+        are claimed, each a flight of its own (token, lease, timeout), and handed together
+        to one ``loader(keys)`` call, which returns ``{key: value}``. A key it leaves out
+        gets ``NOT_FOUND`` (cached for ``not_found_ttl``), or with ``missing="raise"`` a
+        ``KeyError`` (nothing cached). A loader that declares a second parameter also gets
+        each key's ``FlightContext``, in the order of the keys. If the loader raises, the
+        keys of that call fail; the first error in the order of ``keys`` is raised once
+        every key settled, and the values of the others are stored all the same.
+        """
+        if not callable(loader):
+            raise ConfigError(f"loader must be an async callable taking the keys: {loader!r}")
+        if missing not in MISSING_MODES:
+            raise ConfigError(f"missing must be one of {MISSING_MODES}: {missing!r}")
+        if ttl is not None or lease is not None or timeout is not None:
+            check_call(ttl, lease, timeout)
+        keys = list(keys)
+        batch = BatchLoad(
+            loader, self.envelope, missing=missing, with_contexts=batch_arity(loader) == 2
+        )
+        if self._disabled:
+            return await uncached_many(batch, keys)
+        digests = [self._digest(key) for key in keys]
+        flights = self._front
+        if flights is None or self._state is not CacheState.OPENED:
+            flights = await self._ready()
+        return await load_many(
+            keys,
+            digests,
+            batch,
+            flights=flights,
+            local=self._local,
+            near=self._near,
+            keyspace=self.keyspace,
+            options=lambda key: self._options(canonical(key), ttl, lease, timeout, store=store),
+            stats=self._stats,
+        )
 
     def _maybe_refresh(
         self,

@@ -54,6 +54,7 @@ from ._errors import ConfigError, FlightError, FlightTimeout
 from ._keys import KeySpace
 from ._leases.nodes import NodeInfo
 from ._protections.bloom import BloomFilter
+from ._protocol.batch import BatchLoader
 from ._protocol.jobs import Producer
 from ._protocol.streaming import FlightStream
 from ._types import CacheState, FlightInfo, Invalidation, Loader, Stats
@@ -528,6 +529,33 @@ class FlightCacheSync:
             store=store,
             refresh_ahead=refresh_ahead,
             not_found=not_found,
+        )
+        return engine.run(call, self._call_bound(timeout, lease))
+
+    def do_many(
+        self,
+        keys: Iterable[Any],
+        loader: Callable[..., Any],
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+        store: bool = True,
+        missing: str = "not_found",
+    ) -> list[Any]:
+        """The values of many keys, in their order, with one loader call for those nobody has.
+
+        As ``FlightCache.do_many``; ``loader(keys)`` returns ``{key: value}``. A plain
+        loader runs in a worker thread (with the keys' ``FlightContext``s as a second
+        argument when it declares one), an ``async def`` one on the engine's loop.
+        """
+        if not callable(loader):
+            raise ConfigError(f"loader must be a callable taking the keys: {loader!r}")
+        engine = self._engine()
+        keys = list(keys)  # an iterator is read in the caller's thread
+        job = cast("BatchLoader", _loader_for(loader, contextvars.copy_context()))
+        call = engine.cache.do_many(
+            keys, job, ttl=ttl, lease=lease, timeout=timeout, store=store, missing=missing
         )
         return engine.run(call, self._call_bound(timeout, lease))
 

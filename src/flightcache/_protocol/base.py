@@ -7,9 +7,11 @@ Implemented by ``RedisFlights`` (one server or cluster, ``flight.py``), ``Sharde
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._errors import FlightError
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo
 from .jobs import Job
@@ -37,6 +39,14 @@ class Flights(Protocol):
     async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
         """A call's first read: the stored result, or where its flight stands (kept in
         ``handle``; on one Redis server that read may already have claimed the flight)."""
+        ...
+
+    async def begin_many(
+        self, fks: Sequence[FlightKeys], opts: Sequence[CallOptions], handles: Sequence[Any]
+    ) -> list[Opening | FlightError]:
+        """``begin`` for several keys at once (``do_many``; each key's own options), sent
+        together where the backend can; an error the server answered for one key is that
+        key's alone."""
         ...
 
     async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:

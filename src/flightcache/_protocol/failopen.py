@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._codec import Envelope
-from .._errors import BackendUnavailable, PoolExhausted
+from .._errors import BackendUnavailable, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo, Stats
 from .base import Flights, Opening
@@ -129,6 +129,27 @@ class FailOpen:
         if self.down:
             self.worked()
         return opening
+
+    async def begin_many(
+        self, fks: Sequence[FlightKeys], opts: Sequence[CallOptions], handles: Sequence[Any]
+    ) -> list[Opening | FlightError]:
+        """``begin`` for several keys, as ``begin`` does it for one."""
+        if self.enabled and self.skip_server():
+            return [
+                Opening(None if o.refresh else await self.local.lookup(fk))
+                for fk, o in zip(fks, opts, strict=True)
+            ]
+        try:
+            openings = await self.server.begin_many(fks, opts, handles)
+        except PoolExhausted:
+            raise
+        except BackendUnavailable:
+            if not self.enabled:
+                raise
+            return [Opening(None, handle=handle) for handle in handles]
+        if self.down:
+            self.worked()
+        return openings
 
     async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
         await self.server.abandon(fk, opts, handle)

@@ -13,7 +13,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .._backends.redis import RedisConnection
@@ -27,6 +27,7 @@ from .follower import Follower
 from .heartbeat import Renewer
 from .jobs import Job
 from .owner import Owner, Undelivered
+from .pipelined import script_calls
 from .state import (
     CLAIMED,
     ENDED,
@@ -155,6 +156,43 @@ class RedisFlights:
             return Opening(state.value, state.ttl_left_ms, leasable, state.cost_ms, handle)
         handle.state = state
         return Opening(None, handle=handle)
+
+    async def begin_many(
+        self, fks: Sequence[FlightKeys], opts: Sequence[CallOptions], handles: Sequence[Handle]
+    ) -> list[Opening | FlightError]:
+        """``begin`` for each key, the joins sent together: one round trip on a server
+        (one per node of a Cluster). A join the server refused fails only its own key."""
+        for fk, handle in zip(fks, handles, strict=True):
+            handle.waiter = self.hub.watch(fk.digest)
+        calls = [
+            self._join_call(fk, o, "always", o.refresh, b"", handle.claim_id)
+            for fk, o, handle in zip(fks, opts, handles, strict=True)
+        ]
+        sent = self.clock()
+        try:
+            replies = await script_calls(self.conn, LUA["join_flight"], calls)
+        except BaseException:
+            for handle in handles:
+                self.release(handle)
+            raise
+        openings: list[Opening | FlightError] = []
+        for handle, reply in zip(handles, replies, strict=True):
+            if isinstance(reply, FlightError):
+                self.release(handle)
+                openings.append(reply)
+                continue
+            state = state_of(reply, handle.claim_id, sent)
+            if state.kind == HIT:
+                self.release(handle)
+                assert state.value is not None
+                leasable = state.leasable and state.ttl_left_ms > 0
+                openings.append(
+                    Opening(state.value, state.ttl_left_ms, leasable, state.cost_ms, handle)
+                )
+            else:
+                handle.state = state
+                openings.append(Opening(None, handle=handle))
+        return openings
 
     async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Handle) -> None:
         """Nobody waits for this call any more: if its join claimed the flight, give it
@@ -320,36 +358,44 @@ class RedisFlights:
         an end of its flight after it is reported (ENDED) rather than claimed over.
         """
         claim_id = claim_id or self._claim_id()
+        keys, args = self._join_call(fk, opts, claim, refresh, since, claim_id)
+        sent = self.clock()
+        reply = await self.conn.script(LUA["join_flight"], fk, keys, args)
+        return state_of(reply, claim_id, sent)
+
+    def _join_call(
+        self,
+        fk: FlightKeys,
+        opts: CallOptions,
+        claim: str,
+        refresh: bool,
+        since: bytes,
+        claim_id: str,
+    ) -> tuple[list[str], tuple[Any, ...]]:
+        """The keys and arguments of one ``join_flight``."""
         keys = [fk.result, fk.meta, fk.waiters, fk.stream, fk.marker, fk.cost]
         bits: int | str = ""
         if self.token_in_join:
             keys.append(self.keyspace.owner_seq)
             bits = random.getrandbits(TOKEN_RANDOM_BITS)  # uniqueness, not secrecy
         node, waiters_ttl, lease, timeout, stream_ttl, prefix, limit = self._join_args(opts)
-        sent = self.clock()
-        reply = await self.conn.script(
-            LUA["join_flight"],
-            fk,
-            keys,
-            (
-                node,
-                waiters_ttl,
-                claim,
-                claim_id,
-                lease,
-                timeout,
-                opts.key_text,
-                stream_ttl,
-                "1" if refresh else "0",
-                since,
-                opts.refresh_below_ms,
-                bits,
-                prefix,
-                fk.digest,
-                limit,
-            ),
+        return keys, (
+            node,
+            waiters_ttl,
+            claim,
+            claim_id,
+            lease,
+            timeout,
+            opts.key_text,
+            stream_ttl,
+            "1" if refresh else "0",
+            since,
+            opts.refresh_below_ms,
+            bits,
+            prefix,
+            fk.digest,
+            limit,
         )
-        return state_of(reply, claim_id, sent)
 
     def _join_args(self, opts: CallOptions) -> tuple[bytes, ...]:
         """The join's arguments that depend only on the cache and the call's lease and

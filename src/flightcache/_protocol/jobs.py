@@ -31,6 +31,7 @@ class LoaderJob:
     declares a parameter (``with_context``: it gets the run's ``FlightContext``)."""
 
     inline_ok = True  # a small value may ride inside the done event
+    batched = False  # a do_many key: its completion goes out with its batch's
 
     def __init__(
         self,
@@ -84,6 +85,7 @@ class StreamJob:
     """
 
     inline_ok = False  # followers have the chunks already
+    batched = False
 
     def __init__(
         self, producer: Producer, envelope: Envelope, digest: str, local: LocalStream

@@ -16,9 +16,10 @@ and its expiry noted for refresh-ahead (``Expiries``: ``RefreshAhead`` of
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from .._codec import Envelope
@@ -262,6 +263,82 @@ class LocalFlights:
         outcome = slot.wait()  # made before the flight can settle the slot
         self._start(slot, fk, lambda: start(opening.handle))
         return await asyncio.shield(outcome), False
+
+    async def call_many(
+        self,
+        flights: Flights,
+        fks: Sequence[FlightKeys],
+        opts: Sequence[CallOptions],
+        start: Callable[[int, Any], Coroutine[Any, Any, bytes]],
+    ) -> tuple[list[bytes | BaseException], int]:
+        """``call`` for several distinct keys (``do_many``): each key's outcome (its result,
+        or the error that ended its call) and the number of hits of this call's own reads.
+
+        Keys another call of this process asks for already are waited for; the first reads
+        of the others are sent together (``Flights.begin_many``), and each key that found
+        nothing stored gets a flight task of its own from ``start(i, handle)``, ``i`` its
+        index in ``fks`` (``opts`` has each key's options, in the same order).
+        """
+        outcomes: dict[int, asyncio.Future[bytes]] = {}
+        mine: list[tuple[int, _Slot]] = []
+        for i, fk in enumerate(fks):
+            table_key = fk.digest + "!" if opts[i].refresh else fk.digest
+            slot = self.slots.get(table_key)
+            if slot is not None:  # local single-flight: this process asks already
+                self.stats.coalesced += 1
+                outcomes[i] = slot.wait()
+                continue
+            slot = self.slots[table_key] = _Slot(table_key)
+            mine.append((i, slot))
+        handles = [flights.prepare(fks[i]) for i, _ in mine]
+        heard = self.leases.heard() if self.leases is not None else 0
+        sent = time.monotonic()
+        try:
+            openings = await flights.begin_many(
+                [fks[i] for i, _ in mine], [opts[i] for i, _ in mine], handles
+            )
+        except asyncio.CancelledError:
+            for (i, slot), handle in zip(mine, handles, strict=True):
+                if slot.waited_on:  # others wait for this read: the flight goes on for them
+                    self._start(slot, fks[i], functools.partial(start, i, handle))
+                else:
+                    self._settle(slot, asyncio.CancelledError())
+                    self.spawn(flights.abandon(fks[i], opts[i], handle))
+            raise
+        except BaseException as exc:
+            for _, slot in mine:
+                self._settle(slot, exc)
+            raise
+        results: dict[int, bytes | BaseException] = {}
+        hits = 0
+        for (i, slot), opening in zip(mine, openings, strict=True):
+            if isinstance(opening, BaseException):
+                self._settle(slot, opening)
+                results[i] = opening
+            elif opening.data is not None:
+                self._saw(
+                    fks[i],
+                    opening.data,
+                    sent,
+                    opening.ttl_left_ms,
+                    opening.leasable,
+                    opening.cost_ms,
+                    heard,
+                    False,
+                )
+                self._settle(slot, opening.data)
+                results[i] = opening.data
+                hits += 1
+            else:
+                outcomes[i] = slot.wait()  # made before the flight can settle the slot
+                self._start(slot, fks[i], functools.partial(start, i, opening.handle))
+        if outcomes:
+            order = list(outcomes)
+            answers = await asyncio.gather(
+                *(asyncio.shield(outcomes[i]) for i in order), return_exceptions=True
+            )
+            results.update(zip(order, answers, strict=True))
+        return [results[i] for i in range(len(fks))], hits
 
     def _start(
         self, slot: _Slot, fk: FlightKeys, start: Callable[[], Coroutine[Any, Any, bytes]]

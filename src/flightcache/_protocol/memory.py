@@ -11,11 +11,11 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._codec import NOT_FOUND_TAG, Envelope
-from .._errors import FlightTimeout, LeaseLost, SerializationError, ValueTooLarge
+from .._errors import FlightError, FlightTimeout, LeaseLost, SerializationError, ValueTooLarge
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo, Invalidation, Stats
 from .base import Opening
@@ -77,6 +77,11 @@ class MemoryFlights:
     async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
         data = None if opts.refresh else await self.lookup(fk)
         return Opening(data, self.ttl_left_ms(fk) if data is not None else 0)
+
+    async def begin_many(
+        self, fks: Sequence[FlightKeys], opts: Sequence[CallOptions], handles: Sequence[Any]
+    ) -> list[Opening | FlightError]:
+        return [await self.begin(fk, o, None) for fk, o in zip(fks, opts, strict=True)]
 
     async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
         return None

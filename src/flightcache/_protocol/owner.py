@@ -35,6 +35,7 @@ from .context import FlightContext
 from .heartbeat import Lease, Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from .pipelined import Together
 from .state import LUA, Lost
 
 T = TypeVar("T")
@@ -79,6 +80,7 @@ class Owner:
         self.clock = clock
         self._wake = (wake_prefix, tuning.inline_max_bytes)
         self.renewer = Renewer(self._renew_batch, clock)
+        self._completes = Together(conn, LUA["complete_flight"])
 
     async def aclose(self) -> None:
         await self.renewer.aclose()
@@ -256,24 +258,24 @@ class Owner:
         sent = self.clock()
         cost_ms = int((sent - ran_from) * 1000)  # the loader's cost, for refresh-ahead
 
+        keys = (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost)
+        args = (
+            token,
+            encoded,
+            ttl_ms,
+            "1" if small else "0",
+            self.tuning.stream_linger_ms,
+            count,
+            cost_ms,
+            prefix,
+            fk.digest,
+            limit,
+        )
+
         def send() -> Awaitable[Any]:
-            return self.conn.script(
-                LUA["complete_flight"],
-                fk,
-                (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
-                (
-                    token,
-                    encoded,
-                    ttl_ms,
-                    "1" if small else "0",
-                    self.tuning.stream_linger_ms,
-                    count,
-                    cost_ms,
-                    prefix,
-                    fk.digest,
-                    limit,
-                ),
-            )
+            if job.batched:  # a batch's keys finish together: one round trip for them all
+                return self._completes.call(keys, args)
+            return self.conn.script(LUA["complete_flight"], fk, keys, args)
 
         try:
             written = int(await self._write(fk, "storing the result", send))

@@ -8,12 +8,14 @@ server of the list, the designated one.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from .._backends.redis import RedisConnection
 from .._backends.ring import HashRing
-from .._errors import ConfigError
+from .._errors import ConfigError, FlightError
 from .._keys import FlightKeys
 from .._types import CallOptions, FlightInfo
 from .base import Flights, Opening
@@ -64,6 +66,27 @@ class ShardedFlights:
 
     async def begin(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> Opening:
         return await self._flights(fk).begin(fk, opts, handle)
+
+    async def begin_many(
+        self, fks: Sequence[FlightKeys], opts: Sequence[CallOptions], handles: Sequence[Any]
+    ) -> list[Opening | FlightError]:
+        """Each server's keys sent together, the servers at once."""
+        groups: dict[str, list[int]] = {}
+        for i, fk in enumerate(fks):
+            groups.setdefault(self.ring.node_for(fk.digest), []).append(i)
+
+        async def one(name: str, at: list[int]) -> list[Opening | FlightError]:
+            flights = self._by_name[name][1]
+            return await flights.begin_many(
+                [fks[i] for i in at], [opts[i] for i in at], [handles[i] for i in at]
+            )
+
+        answers = await asyncio.gather(*(one(name, at) for name, at in groups.items()))
+        out: list[Opening | FlightError | None] = [None] * len(fks)
+        for at, openings in zip(groups.values(), answers, strict=True):
+            for i, opening in zip(at, openings, strict=True):
+                out[i] = opening
+        return [o for o in out if o is not None]
 
     async def abandon(self, fk: FlightKeys, opts: CallOptions, handle: Any) -> None:
         await self._flights(fk).abandon(fk, opts, handle)

@@ -1,0 +1,138 @@
+"""Many calls of one script in one round trip, each answered on its own.
+
+``do_many`` sends the joins of all its keys together, and its owner sends the completions
+of a batch together. One refused call (a key holding another application's value, say)
+must fail only its own key, so each reply is kept apart: a reply, or the ``FlightError``
+the server answered for that call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from redis import exceptions as rexc
+
+from .._backends.redis import RedisConnection
+from .._backends.scripts import Script, pack_command
+from .._errors import BackendUnavailable, FlightError
+
+Call = tuple[Sequence[str], Sequence[Any]]  # keys, args
+
+
+async def script_calls(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> list[Any]:
+    """Each call's reply, in order, or a ``FlightError`` for a call the server refused.
+    One round trip on a server; on a Cluster, one per node (redis-py's cluster pipeline).
+    An unreachable server raises ``BackendUnavailable`` for all."""
+    if not calls:
+        return []
+    if conn.cluster is not None:
+        try:
+            return await conn.pipeline_script(lua, calls)
+        except BackendUnavailable:
+            raise
+        except FlightError:  # one call refused the whole pipeline: ask each on its own
+            answers = await asyncio.gather(
+                *(conn.script(lua, None, keys, args) for keys, args in calls),
+                return_exceptions=True,
+            )
+            for answer in answers:
+                if isinstance(answer, BaseException) and not isinstance(answer, FlightError):
+                    raise answer from None
+            return list(answers)
+    replies = await conn.run(lambda: _packed(conn, lua, calls))
+    return [
+        FlightError(f"Redis at {conn.safe_url} refused a command: {r}")
+        if isinstance(r, rexc.ResponseError)
+        else r
+        for r in replies
+    ]
+
+
+async def _packed(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> list[Any]:
+    """EVALSHA per call, packed into one write on one pooled connection, the replies read
+    in order (an error reply is kept as the call's answer). NOSCRIPT (a restarted server)
+    loads the script and sends those calls again."""
+    pool: Any = conn.client.connection_pool
+    replies: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in (0, 1):
+        packed = b"".join(
+            pack_command(b"EVALSHA", lua.sha, len(calls[i][0]), *calls[i][0], *calls[i][1])
+            for i in todo
+        )
+        connection = await pool.get_connection()
+        missing: list[int] = []
+        try:
+            await connection.send_packed_command(packed, check_health=False)
+            for i in todo:
+                try:
+                    replies[i] = await connection.read_response()
+                except rexc.NoScriptError as exc:
+                    replies[i] = exc
+                    missing.append(i)
+                except rexc.ResponseError as exc:  # an answer: the connection is fine
+                    replies[i] = exc
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(connection)
+        if not missing or attempt:
+            break
+        await conn.client.script_load(lua.text)
+        todo = missing
+    return replies
+
+
+class Together:
+    """Calls of one script made at about the same time, sent in one round trip: a call
+    waits until no other call has joined it for one turn of the event loop (at most
+    ``MAX_TURNS``), then all of them go out together (``script_calls``). The owner sends
+    the completions of a batch this way: its keys finish in the same few turns."""
+
+    MAX_TURNS = 16
+
+    def __init__(self, conn: RedisConnection, lua: Script) -> None:
+        self.conn = conn
+        self.lua = lua
+        self._queue: list[tuple[Call, asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def call(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append(((keys, args), future))
+        if self._flusher is None:
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            seen = -1
+            for _ in range(self.MAX_TURNS):  # let the others made in these turns join
+                if len(self._queue) == seen:
+                    break
+                seen = len(self._queue)
+                await asyncio.sleep(0)
+        finally:
+            batch, self._queue, self._flusher = self._queue, [], None
+        try:
+            replies = await script_calls(self.conn, self.lua, [call for call, _ in batch])
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    if isinstance(exc, Exception):
+                        future.set_exception(exc)
+                    else:
+                        future.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, future), reply in zip(batch, replies, strict=True):
+            if future.done():
+                continue
+            if isinstance(reply, FlightError):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
