@@ -178,7 +178,7 @@ class Nemesis:
         self.gap = GAPS[profile]
         self._queue: list[_Action] = []
         self._seq = itertools.count()
-        self.stopped: set[int] = set()
+        self.stopped: dict[int, int] = {}  # worker index -> the pid stopped
         self.cut: set[int] = set()
         self.slowed: set[int] = set()
         self.restarting: set[int] = set()
@@ -219,6 +219,8 @@ class Nemesis:
             if action.restore:
                 action.fn()
         self._queue = []  # (what those scheduled in turn: polls)
+        for i in range(len(self.fleet.procs)):
+            self.fleet.signal(i, signal.SIGCONT)  # (harmless to a running process)
         for node in self.cluster or []:
             if not servers.alive(node):
                 servers.restart(node)
@@ -256,7 +258,7 @@ class Nemesis:
             return False
         pid = self.fleet.pid(i)
         self.fleet.kill(i)
-        self.stopped.discard(i)
+        self.stopped.pop(i, None)
         self.restarting.add(i)
         self.note("kill", w=i, pid=pid)
 
@@ -288,19 +290,21 @@ class Nemesis:
 
     def _stop(self, i: int | None = None, run: str | None = None, pause: float = 0.0) -> bool:
         if i is None:
-            i = self._pick(self.stopped)
+            i = self._pick(set(self.stopped))
         if i is None:
             return False
         pid = self.fleet.pid(i)
         self.fleet.signal(i, signal.SIGSTOP)
-        self.stopped.add(i)
+        self.stopped[i] = pid
         self.note("stop", w=i, pid=pid, **({"run": run} if run else {}))
 
         def cont() -> None:
-            if i in self.stopped and self.fleet.alive(i) and self.fleet.pid(i) == pid:
+            if self.stopped.get(i) != pid:
+                return  # killed meanwhile (a new process may be stopped by now: not ours)
+            del self.stopped[i]
+            if self.fleet.alive(i) and self.fleet.pid(i) == pid:
                 self.fleet.signal(i, signal.SIGCONT)
                 self.note("cont", w=i, pid=pid)
-            self.stopped.discard(i)
 
         self.later(pause or self.rng.uniform(0.3, 4.0), cont, restore=True)
         return True

@@ -63,6 +63,10 @@ class Links:
                     t.abort()
                 if link.server is not None:
                     link.server.close()
+            # the connections' tasks end once their sockets are gone
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if tasks:
+                await asyncio.wait(tasks, timeout=1.0)
 
         with contextlib.suppress(Exception):
             self._call(stop())

@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,17 @@ Loader = Callable[[], Awaitable[Any]]
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
-    """An exception as the checker sees it: type, module, whether it is a FlightError."""
-    return {
+    """An exception as the checker sees it: type, module, whether it is a FlightError (and,
+    when it is not, where it came from, for the bug report)."""
+    out = {
         "type": type(exc).__name__,
         "module": type(exc).__module__,
         "flight": isinstance(exc, FlightError),
         "msg": str(exc)[:300],
     }
+    if not out["flight"]:
+        out["where"] = "".join(traceback.format_exception(exc)[-12:])[-3000:]
+    return out
 
 
 class Worker:
