@@ -16,7 +16,8 @@
    over, during the run or within ``AROUND_S`` of it, or when it ran in fail-open (no
    token: no flight on the server had it). The runs hit by no fault are the flights: no two
    of one key may overlap in time (single flight), and every run whose value no caller
-   received must have been hit by a fault (an owner that completed delivers its value).
+   received must have been hit by a fault (an owner that completed delivers its value), or
+   have taken over from a run that was.
 5. ``exceptions``: no operation raised an exception outside the ``FlightError`` tree.
 
 Some cases of (3) are documented limits of the library, not violations; they are counted as
@@ -342,21 +343,32 @@ def check(folder: Path) -> Report:
     loads = [r for r in runs.values() if r.kind != "set"]
     faulted: dict[str, str] = {}
     for run in loads:
-        finish = run.end or run.cancelled or faults.death.get(run.pid) or faults.end
-        why = faults.hit(run, run.start - AROUND_S, finish + AROUND_S)
+        why = faults.hit(run, run.start - AROUND_S, _finish(run, faults) + AROUND_S)
         if why is None and run.tok is None:
             why = "fail-open"  # a run of this process alone: no flight on the server had it
         if why:
             faulted[run.id] = why
+    # A run that took over from an owner hit by a fault may find its callers gone (stream
+    # callers that had the first owner's chunks got StreamRestarted), and go unread.
+    takeover_s = lease + 1.0
     for run in loads:
-        if run.id not in received and run.id not in faulted:
-            violations["runs"].append(
-                Violation(
-                    "runs",
-                    f"run {run.id} of {run.key!r}: no caller got its value, and no fault hit it",
-                    [run],
-                )
+        if run.id in received or run.id in faulted:
+            continue
+        if any(
+            other.id in faulted
+            and other.key == run.key
+            and other.start < run.start <= _finish(other, faults) + takeover_s
+            for other in loads
+        ):
+            continue
+        violations["runs"].append(
+            Violation(
+                "runs",
+                f"run {run.id} of {run.key!r}: no caller got its value, and no fault hit it",
+                [run],
             )
+        )
+
     # Runs hit by no fault are the flights: two of one key must never overlap in time.
     clean_by_key: dict[str, list[Run]] = defaultdict(list)
     for run in loads:
@@ -366,7 +378,7 @@ def check(folder: Path) -> Report:
         key_runs.sort(key=lambda r: r.start)
         before = key_runs[0]
         for after in key_runs[1:]:
-            if after.start < (before.end or before.cancelled or faults.end):
+            if after.start < _finish(before, faults):
                 violations["runs"].append(
                     Violation(
                         "runs",
@@ -374,9 +386,7 @@ def check(folder: Path) -> Report:
                         [before, after],
                     )
                 )
-            if (after.end or after.cancelled or faults.end) > (
-                before.end or before.cancelled or faults.end
-            ):
+            if _finish(after, faults) > _finish(before, faults):
                 before = after  # the run that ends last is the one later runs must follow
     flights = sum(len(v) for v in clean_by_key.values())
 
@@ -405,6 +415,11 @@ def check(folder: Path) -> Report:
         "bound_s": bound,
     }
     return Report(config, dict(outcome), faults.counts, violations, excused, figures)
+
+
+def _finish(run: Run, faults: Faults) -> float:
+    """When a run ended: returned, cancelled, its process killed, or the soak over."""
+    return run.end or run.cancelled or faults.death.get(run.pid) or faults.end
 
 
 def _asked(reads: list[dict[str, Any]]) -> dict[int, float]:

@@ -334,12 +334,14 @@ class Nemesis:
         servers.kill(victim)
         self.cluster_busy = True
         self.note("failover", port=victim.port)
-        self._poll_serving(victim, time.monotonic())
+        self._poll_serving(victim, len(candidates), time.monotonic())
         return True
 
-    def _poll_serving(self, victim: EmbeddedServer, since: float) -> None:
+    def _poll_serving(self, victim: EmbeddedServer, shards: int, since: float) -> None:
+        """Once a replica serves the victim's slots, start the victim again (it rejoins as
+        a replica), and wait for the cluster to settle before the next failover."""
         assert self.cluster is not None
-        if servers.serving(self.cluster) or time.monotonic() - since > 30:
+        if servers.taken_over(self.cluster, victim, shards) or time.monotonic() - since > 30:
             self.note("cluster-serving")
 
             def back() -> None:
@@ -350,7 +352,7 @@ class Nemesis:
 
             self.later(0.3, back, restore=True)
             return
-        self.later(0.2, lambda: self._poll_serving(victim, since), restore=True)
+        self.later(0.2, lambda: self._poll_serving(victim, shards, since), restore=True)
 
     def _poll_settled(self, since: float) -> None:
         assert self.cluster is not None

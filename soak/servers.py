@@ -125,10 +125,14 @@ def settled(servers: list[EmbeddedServer]) -> bool:
     return True
 
 
-def serving(servers: list[EmbeddedServer]) -> bool:
-    """Every slot is served again (``cluster_state:ok`` on every live node)."""
+def taken_over(servers: list[EmbeddedServer], victim: EmbeddedServer, shards: int) -> bool:
+    """A replica took the dead ``victim``'s slots: ``shards`` live masters hold slots again,
+    and every live node says ``cluster_state:ok``."""
     live = [s for s in servers if alive(s)]
     try:
-        return all("cluster_state:ok" in _ask(s, "CLUSTER", "INFO") for s in live)
+        if not all("cluster_state:ok" in _ask(s, "CLUSTER", "INFO") for s in live):
+            return False
     except redis.RedisError:
         return False
+    holders = masters(servers)
+    return victim not in holders and len(holders) == shards
