@@ -57,3 +57,22 @@ def test_batch(server: EmbeddedServer, embedded: bool) -> None:
     assert "3 pages, queries: [[1, 2, 3, 4], [5, 6], [7]]" in out
     assert "page 2: ['user 3', 'user 4', 'user 5', 'user 6']" in out
     assert "later: ['user 7', 'user 8', flightcache.NOT_FOUND] query: [8, 10]" in out
+
+
+def test_openai_sdk(server: EmbeddedServer) -> None:
+    pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    out = run("openai_sdk.py", server.url)
+    assert "50 ChatCompletion answers, 1 distinct, {'MISS': 1, 'COALESCED': 49}" in out
+    assert "stream: HIT, same text: True" in out
+    assert "responses: Response, one answer: True" in out
+    assert "upstream calls: 2" in out
+
+
+def test_anthropic_sdk(server: EmbeddedServer) -> None:
+    pytest.importorskip("anthropic")
+    pytest.importorskip("starlette")
+    out = run("anthropic_sdk.py", server.url)
+    assert "20 Message answers from threads, 1 distinct" in out
+    assert "stream: HIT, RawMessageStartEvent first, same text: True" in out
+    assert "upstream calls: 1" in out
