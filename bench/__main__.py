@@ -1,5 +1,6 @@
-"""``python -m bench``: stampede, hit-path, gateway, near-cache, cluster/ring and protection
-(Bloom filter, refresh-ahead) figures against a private embedded server and cluster."""
+"""``python -m bench``: stampede, hit-path, gateway, near-cache, cluster/ring, protection
+(Bloom filter, refresh-ahead) and many-distinct-keys figures against a private embedded
+server and cluster."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _stampede, _sync
+from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _scale, _stampede, _sync
 from ._util import ROOT
+
+SECTIONS = ("stampede", "hit", "gateway", "near", "cluster", "protect", "scale", "sync")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +48,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--skip-sync", action="store_true", help="skip the sync client (FlightCacheSync)"
     )
+    p.add_argument(
+        "--skip-scale", action="store_true", help="skip scale across distinct keys (section 7)"
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run only this section (repeatable): {', '.join(SECTIONS)}",
+    )
     args = p.parse_args(argv)
+    for section in SECTIONS:  # --only skips every section it does not name
+        if args.only and section not in args.only:
+            setattr(args, f"skip_{section}", True)
     if args.processes < 2 or args.callers < 1:
         p.error("need at least 2 processes and 1 caller per process")
     if args.rounds is not None and not 1 <= args.rounds <= 100:
@@ -126,11 +142,23 @@ def main(argv: list[str] | None = None) -> int:
         ring: dict[str, Any] = {"keys": 50_000, "timed_keys": 20_000}
         bloom: dict[str, Any] = {"checked": 20_000}
         ahead: dict[str, Any] = {"seconds": 2.5}
+        scale: dict[str, Any] = {
+            "flights": {
+                "keys": 1_000,
+                "loader_s": 6.0,
+                "single_rounds": 10,
+                "window_s": 2.0,
+                "burst_bound_s": 12.0,
+            },
+            "misses": {"keys": 2_000, "rounds": 2},
+            "streams": {"streams": 200},
+        }
     else:
         stampede_rounds, hit = 5, {"rounds": 3, "ops": 20_000, "seconds": 1.2}
         sync_hit = {}  # the defaults of _sync.run_hits
         gateway, near = {}, {}  # the defaults of _gateway.run and _near.run
         ring, bloom, ahead = {}, {}, {}  # the defaults of _cluster.run_ring and _protect
+        scale = {}  # the defaults of _scale.run
     started = time.monotonic()
     server = EmbeddedServer()
     stampede: dict[str, Any] | None = None
@@ -142,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     bloom_figures: dict[str, Any] | None = None
     ahead_figures: dict[str, Any] | None = None
     sync_figures: dict[str, Any] | None = None
+    scale_figures: dict[str, Any] | None = None
     try:
         server.start()
         env = {
@@ -186,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             bloom_figures = asyncio.run(_protect.run_bloom(server.url, **bloom))
             ahead_figures = asyncio.run(_protect.run_refresh_ahead(server.url, **ahead))
             _report.print_protect(bloom_figures, ahead_figures)
+        if not args.skip_scale:
+            scale_figures = asyncio.run(_scale.run(server.url, **scale))
+            _report.print_scale(scale_figures)
         if not args.skip_sync:
             sync_stampede = _sync.run_stampede(
                 server.url,
@@ -203,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
     rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
     rows += _report.sync_targets(sync_figures)
+    rows += _report.scale_key_targets(scale_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
     print(f"\n(run took {elapsed:.1f} s)")
@@ -220,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             "bloom": bloom_figures,
             "refresh_ahead": ahead_figures,
             "sync": sync_figures,
+            "scale_distinct_keys": scale_figures,
             "targets": rows,
         }
         Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")
@@ -248,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("refresh_ahead", "plain"):
             m = ahead_figures[mode]
             broken = broken or bool(m["errors"]) or m["most_runs_at_once"] > 1
+    if scale_figures is not None:
+        broken = broken or _report.scale_keys_broken(scale_figures)
     if sync_figures is not None:
         s = sync_figures["stampede"]
         broken = broken or any(r != 1 for r in s["loader_runs_per_round"]) or bool(s["errors"])

@@ -34,7 +34,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
-from ._services import Service
+from ._services import Service, stop_all
 from ._util import median, summary
 
 CHAT = "/v1/chat/completions"
@@ -403,14 +403,7 @@ async def run(
                 )
     finally:
         try:
-            stopped = await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
-            for service, outcome in zip(services, stopped, strict=True):
-                if isinstance(outcome, BaseException):
-                    service.kill_now()
-        except BaseException:
-            for service in services:
-                service.kill_now()
-            raise
+            await stop_all(services)
         finally:
             for c in (client, *clients):
                 await c.aclose()

@@ -18,6 +18,10 @@ RING_TARGET = 1.10  # max / mean keys per shard
 REMAP_TARGET = 1.2  # x the ideal 1 / (N + 1)
 BLOOM_TARGET = 1.2  # x the configured error rate
 RUNS_PER_TTL_TARGET = 1.25  # refresh-ahead: one run per expiry, started somewhat early
+WAKE_RATIO_TARGET = 2.0  # many keys' wake lag / one key's, p50 and p99
+MISS_RATIO_TARGET = 0.8  # fc.do misses/s / GET-then-SET misses/s
+FLIGHT_BYTES_TARGET = 1024  # server memory per in-flight key
+STREAM_WALL_TARGET = 1.3  # 1,000 streams via two gateways / the same clients direct
 
 
 def _ms(x: float) -> str:
@@ -379,7 +383,7 @@ def targets(
 
 def print_targets(rows: list[dict[str, Any]]) -> None:
     print()
-    print("7. Targets")
+    print("8. Targets")
     for row in rows:
         verdict = "PASS" if row["pass"] else "MISS"
         print(f"   {verdict}  {row['target']:<47} {row['measured']}")
@@ -607,6 +611,236 @@ def scale_targets(
             )
         )
     return out
+
+
+def _counts(by_name: dict[str, float], digits: int = 2) -> str:
+    """``name value, ...`` with ``digits`` decimals, trailing zeros dropped."""
+
+    def number(v: float) -> str:
+        text = f"{v:.{digits}f}"
+        return text.rstrip("0").rstrip(".") if "." in text else text
+
+    return ", ".join(f"{n} {number(v)}" for n, v in by_name.items())
+
+
+def print_scale(k: dict[str, Any]) -> None:
+    one, m, burst = k["single_key"], k["many_keys"], k["owner_burst"]
+    f, o = m["follower"], m["owner"]
+    print()
+    print(
+        f"7. Scale across distinct keys: worker processes on the bench's server "
+        f"(near_cache=False, lease {m['lease_s']:g} s)"
+    )
+    print(
+        f"   {m['keys']} keys owned by one process (started {m['wave']} at a time: all "
+        f"{m['running_at_once']} loaders running after {m['claim_s']:.1f} s), loader "
+        f"{m['loader_s']:g} s, followed by another process (joined all in {m['join_s']:.1f} s;"
+        f" all in flight at once: {'yes' if m['all_in_flight_at_once'] else 'NO'})"
+    )
+    print(
+        f"     right values {m['right']}/{m['keys']}, errors {m['error_count']}, unfinished "
+        f"{m['unfinished']}; follower loader runs {f['loader_runs']}; owner leases lost "
+        f"{o['stats']['lease_lost']}, loader runs {o['loader_runs']}"
+    )
+    if m["errors"]:
+        print(f"     first error: {m['errors'][0]}")
+    fc, bc = m["follower_connections"], one["follower_connections"]
+    print(
+        f"     follower's server connections (CLIENT LIST): peak {fc['peak']} ({fc['listeners']} "
+        f"listener, {fc['blocked_peak']} in a blocking command); baseline, one key: {bc['peak']}"
+    )
+    print(
+        f"     follower's commands per flight: {f['stats']['commands'] / m['keys']:.2f} "
+        f"(fc.stats: the join, and a lease re-check each lease it waits)"
+    )
+    print("     wake lag (ms)                                      n     p50     p99     max")
+    print(_row(f"{m['keys']} keys: follower's return - loader end", m["wake_lag_ms"]))
+    print(_row(f"  baseline: one key, {one['rounds']} rounds", one["wake_lag_ms"]))
+    print(_row("  owner's own callers' return - loader end", m["owner_return_lag_ms"]))
+    print(_row("    baseline: one key", one["owner_return_lag_ms"]))
+    print(_row("  follower's return - owner's callers'", m["follower_after_owner_ms"]))
+    r = m["wake_lag_ratio"]
+    print(f"     ratio to the one-key baseline: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x")
+    print(
+        f"   owner burst: {burst['keys']} calls started at once by a fresh process, loader "
+        f"{burst['loader_s']:g} s: {burst['right']} right within {burst['bound_s']:g} s, "
+        f"{burst['unfinished']} unfinished, {burst['error_count']} errors; "
+        f"{burst['lease_lost']} leases lost, {burst['loader_starts']} loader runs started"
+    )
+    w = m["renewals"]
+    quiet = "nothing else running" if w["flights"] == m["keys"] else "CLAIMS STILL RUNNING"
+    print(
+        f"   renewals: {w['flights']} owned flights, {quiet}, {w['window_s']:.1f} s:"
+        f" {w['evalsha_per_s']:.1f} EVALSHA/s (one script per flight per lease/3: "
+        f"{w['one_script_per_flight_per_s']:.0f}/s); owner sends "
+        f"{w['owner_client_commands_per_s']:.1f} commands/s (fc.stats)"
+    )
+    print(
+        f"     run by the server: {w['server_commands_per_s']:.0f} commands/s incl. inside Lua "
+        f"({_counts(w['by_name_per_s'], 0)}); server CPU {w['server_cpu_share'] * 100:.0f} % of a"
+        f" core, owner process {w['owner_cpu_share'] * 100:.0f} %"
+    )
+    mem = m["memory"]
+    print(
+        f"   memory per in-flight key (MEMORY USAGE, {mem['flights']} flights, "
+        f"{m['joined_before_first_end']} of them followed): "
+        f"{mem['bytes_per_flight']:.0f} B ({_counts(mem['by_key'], 0)}); used_memory growth "
+        f"{mem['used_memory_growth_per_flight']:.0f} B per flight"
+    )
+    print(
+        f"     reference: a bare stream of one entry takes {mem['bare_one_entry_stream_bytes']} B"
+        f" (stream-node-max-bytes {mem['stream_node_max_bytes']})"
+    )
+    ms = k["misses"]
+    c = ms["config"]
+    print(
+        f"   misses/s, one process: {c['keys']} distinct keys asked once each, "
+        f"{c['concurrency']} at a time, loader returns at once; median of {c['rounds']} rounds"
+    )
+    print(
+        "     variant                    misses/s  x GET-SET  CPU us/miss  "
+        "sent/miss (MONITOR)       run by server/miss"
+    )
+    print("                                                    client server")
+    for name, label in (("get-set", "GET, then SET (redis-py)"), ("do", "fc.do(key, loader)")):
+        v = ms[name]
+        x = 1.0 if name == "get-set" else ms["ratio"]
+        sent = f"{v['sent_per_miss_monitor']:.2f} ({_counts(v['sent_by_name_per_miss_monitor'])})"
+        print(
+            f"     {label:<26} {v['misses_per_s']:9.0f} {x:10.2f} {v['cpu_us_per_miss']:6.0f}"
+            f" {v['server_cpu_us_per_miss']:6.0f}  {sent:<26} {v['server_commands_per_miss']:.2f}"
+        )
+        if v["error_count"] or v["wrong"]:
+            print(f"       errors {v['error_count']}, wrong values {v['wrong']}: {v['errors'][:1]}")
+    inside = _counts(ms["do"]["server_by_name_per_miss"])
+    print(f"     fc.do, run by the server per miss (scripts and what they run): {inside}")
+    st = k["streams"]
+    c = st["config"]
+    print(
+        f"   gateway: {c['streams']} distinct streaming prompts, each asked of both replicas at "
+        f"once, {c['in_flight']} prompts at a time (mock: {c['mock_latency_ms']:g} ms, then "
+        f"{c['mock_text_tokens']} tokens at {c['mock_tokens_per_s']:g}/s)"
+    )
+    print(
+        "     path                  wall s       served  upstream calls   p50 ms   p99 ms  X-Cache"
+    )
+    for name, label in (("gateway", "via 2 gateways"), ("direct", "direct to the upstream")):
+        v = st[name]
+        lat = v["latency_ms"]
+        print(
+            f"     {label:<22} {v['seconds']:6.2f}  {v['served']:5d}/{v['requests']:<5d}"
+            f" {v['upstream_calls']:15d} {lat['p50']:8.0f} {lat['p99']:8.0f}  "
+            f"{_counts(v['x_cache'], 0) or '-'}"
+        )
+        if v["error_count"]:
+            print(f"       errors {v['error_count']}, first: {v['errors'][0]}")
+    g, d = st["gateway"], st["direct"]
+    conns = " and ".join(f"{x['peak']} ({x['blocked_peak']} blocked)" for x in g["connections"])
+    print(
+        f"     wall time ratio {st['wall_time_ratio']:.2f}; same text as the upstream's: "
+        f"{g['same_text_as_upstream']}/{c['streams']}; replicas' connections peak {conns}"
+    )
+    gw_cpu = g["cpu_s"]["gateway_a"] + g["cpu_s"]["gateway_b"]
+    via, direct = g["cpu_s"], d["cpu_s"]
+    print(
+        f"     CPU s via the gateways: replicas {gw_cpu:.2f} "
+        f"({gw_cpu / g['requests'] * 1000:.1f} ms per stream served), mock {via['mock']:.2f}, "
+        f"Redis {via['redis']:.2f}, client {via['client']:.2f}; direct: mock "
+        f"{direct['mock']:.2f}, client {direct['client']:.2f}"
+    )
+
+
+def scale_key_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Targets of section 7 (scale across distinct keys)."""
+    if k is None:
+        return []
+    m, burst, ms, st = k["many_keys"], k["owner_burst"], k["misses"], k["streams"]
+    r = m["wake_lag_ratio"]
+    worst = max(r["p50"], r["p99"])
+    mem = m["memory"]["bytes_per_flight"]
+    g = st["gateway"]
+    return [
+        _target(
+            f"{m['keys']} keys followed: every caller right",
+            f"{m['right']}/{m['keys']} right, {m['error_count']} errors, "
+            f"{m['unfinished']} unfinished, {m['follower']['loader_runs']} follower loads",
+            m["right"],
+            _many_keys_right(m),
+        ),
+        _target(
+            f"{m['keys']} keys: wake lag <= {WAKE_RATIO_TARGET:g} x one key's",
+            f"p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x ({m['wake_lag_ms']['p99']:.1f} ms vs "
+            f"{k['single_key']['wake_lag_ms']['p99']:.2f} ms)",
+            worst,
+            worst <= WAKE_RATIO_TARGET,
+        ),
+        _target(
+            f"owner burst of {burst['keys']}: all right in {burst['bound_s']:g} s",
+            f"{burst['right']}/{burst['keys']} right, {burst['unfinished']} unfinished, "
+            f"{burst['lease_lost']} leases lost",
+            burst["right"],
+            burst["right"] == burst["keys"],
+        ),
+        _target(
+            f"fc.do misses/s >= {MISS_RATIO_TARGET:g} x GET-then-SET",
+            f"{ms['ratio']:.2f} ({ms['do']['misses_per_s']:.0f} vs "
+            f"{ms['get-set']['misses_per_s']:.0f}/s), {ms['do']['sent_per_miss_monitor']:.2f} "
+            f"sent per miss",
+            ms["ratio"],
+            ms["ratio"] >= MISS_RATIO_TARGET and not ms["do"]["error_count"],
+        ),
+        _target(
+            f"server memory per in-flight key <= {FLIGHT_BYTES_TARGET} B",
+            f"{mem:.0f} B (stream {m['memory']['by_key']['stream']:.0f} B)",
+            mem,
+            mem <= FLIGHT_BYTES_TARGET,
+        ),
+        _target(
+            f"{st['config']['streams']} streams via 2 gateways: {st['config']['streams']} "
+            f"upstream calls",
+            f"{g['upstream_calls']} calls, {g['served']}/{g['requests']} clients served "
+            f"(direct: {st['direct']['upstream_calls']})",
+            g["upstream_calls"],
+            streams_right(st) and g["upstream_calls"] == st["config"]["streams"],
+        ),
+        _target(
+            f"{st['config']['streams']} streams: wall time <= {STREAM_WALL_TARGET:g} x direct",
+            f"{st['wall_time_ratio']:.2f} ({g['seconds']:.2f} s vs "
+            f"{st['direct']['seconds']:.2f} s)",
+            st["wall_time_ratio"],
+            st["wall_time_ratio"] <= STREAM_WALL_TARGET,
+        ),
+    ]
+
+
+def _many_keys_right(m: dict[str, Any]) -> bool:
+    return (
+        m["right"] == m["keys"]
+        and m["error_count"] == 0
+        and m["unfinished"] == 0
+        and m["follower"]["loader_runs"] == 0
+    )
+
+
+def streams_right(st: dict[str, Any]) -> bool:
+    """Every client of the gateway pass served the upstream's text (a failure of the direct
+    pass, the baseline, is shown but is not the gateway's)."""
+    g = st["gateway"]
+    return g["error_count"] == 0 and g["same_text_as_upstream"] == st["config"]["streams"]
+
+
+def scale_keys_broken(k: dict[str, Any]) -> bool:
+    """What sets the exit status in section 7: a caller that failed or got a wrong value,
+    a gateway client not served or served another text, or more upstream calls than
+    streams. (The owner burst's unfinished calls are a target, not a failure.)"""
+    m, burst, ms, st = k["many_keys"], k["owner_burst"], k["misses"], k["streams"]
+    return (
+        not _many_keys_right(m)
+        or bool(burst["error_count"])
+        or any(ms[v]["error_count"] or ms[v]["wrong"] for v in ("get-set", "do"))
+        or not streams_right(st)
+        or st["gateway"]["upstream_calls"] > st["config"]["streams"]
+    )
 
 
 SYNC_HIT_TARGET = 0.8  # FlightCacheSync hits x raw sync redis-py GET, without near cache

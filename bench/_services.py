@@ -101,6 +101,20 @@ class Service:
         _remove(self.log_path)
 
 
+async def stop_all(services: list[Service]) -> None:
+    """Stop every service at once; one that fails to stop, or all of them if stopping is
+    interrupted (Ctrl-C), gets SIGKILL to its own pid."""
+    try:
+        stopped = await asyncio.gather(*(s.stop() for s in services), return_exceptions=True)
+        for service, outcome in zip(services, stopped, strict=True):
+            if isinstance(outcome, BaseException):
+                service.kill_now()
+    except BaseException:
+        for service in services:
+            service.kill_now()
+        raise
+
+
 async def _drain(stdout: asyncio.StreamReader, first: asyncio.Future[bytes]) -> None:
     """Hand the first line to ``first``, then read the rest so the pipe never fills."""
     line = await stdout.readline()
