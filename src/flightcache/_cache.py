@@ -26,7 +26,7 @@ from ._codec import Codec, Envelope
 from ._config import Settings, Tuning, check_call, safe_url, seconds
 from ._decorator import AsyncFlight, flight_decorator
 from ._errors import ConfigError, FlightError
-from ._keys import FlightKeys, KeySpace, canonical, digest_of
+from ._keys import FlightKeys, KeySpace, canonical, check_tags, digest_of
 from ._leases.near import NearCache
 from ._leases.nodes import NodeAgent, NodeInfo, invalidate_many
 from ._protections.ahead import RefreshAhead
@@ -45,6 +45,7 @@ from ._protocol.failopen import FailOpen
 from ._protocol.jobs import LoaderJob, Producer
 from ._protocol.local import LocalFlights
 from ._protocol.streaming import FlightStream
+from ._protocol.tags import MemoryTags, RedisTags, TagGate, tagged
 from ._types import (
     MISSING,
     NOT_FOUND,
@@ -166,6 +167,11 @@ class FlightCache:
         self._front, self._flights, self._failopen = parts.front, parts.flights, parts.failopen
         self._conn, self._near, self._agent = parts.designated, parts.near, parts.agent
         self._local.leases = parts.leaser
+        self._local.tags = (
+            RedisTags(parts.designated, self.keyspace, fail_open=self._settings.fail_open)
+            if parts.designated is not None
+            else MemoryTags()
+        )
 
     async def _ready(self) -> Flights:
         """What calls go through, once connected (an embedded server started first)."""
@@ -264,6 +270,7 @@ class FlightCache:
         refresh_ahead: bool | float = False,
         not_found: tuple[type[BaseException], ...] = (),
         admit: BloomFilter | None = None,
+        tags: Iterable[str] | None = None,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
@@ -277,12 +284,15 @@ class FlightCache:
         every caller keeps getting the current value. A loader that returns ``NOT_FOUND``,
         or raises one of the ``not_found`` exception types, gives every caller ``NOT_FOUND``,
         cached for ``not_found_ttl``. With ``admit`` (a ``BloomFilter``), a key the filter
-        has never seen is answered ``NOT_FOUND`` at once: one round trip, no loader.
+        has never seen is answered ``NOT_FOUND`` at once: one round trip, no loader. With
+        ``tags``, the stored value carries them: ``invalidate_tags`` of any of them makes
+        it unreadable everywhere.
         """
         if not callable(loader):
             raise ConfigError(f"loader must be an async callable, not {loader!r}")
         if ttl is not None or lease is not None or timeout is not None:
             check_call(ttl, lease, timeout)
+        names = check_tags(tags) if tags is not None else ()
         if refresh_ahead is not False and (
             not isinstance(refresh_ahead, (bool, int, float)) or refresh_ahead <= 0
         ):
@@ -300,7 +310,7 @@ class FlightCache:
                 self._stats.hits += 1
                 if refresh_ahead and store:
                     fk = self.keyspace.for_digest(digest)
-                    self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
+                    self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout, names)
                 return self.envelope.decode(data, key=digest)
         if admit is not None and not await admitted(admit, key, fail_open=self._settings.fail_open):
             self._stats.rejected += 1
@@ -322,14 +332,22 @@ class FlightCache:
                 key=key,
                 with_context=wants_context(loader),
             )
+            if names:
+                job.tag(names, self._gate())
             return self._local.fly(front, fk, job, opts, handle)
 
         data, hit = await self._local.call(front, fk, opts, track=bool(refresh_ahead), start=start)
         if hit:
             self._stats.hits += 1
             if refresh_ahead and store:
-                self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout)
+                self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout, names)
         return self.envelope.decode(data, key=fk.digest)
+
+    def _gate(self) -> TagGate:
+        """Where tags' versions are read (set once the cache is connected)."""
+        gate = self._local.tags
+        assert gate is not None
+        return gate
 
     async def _uncached(self, loader: Loader, not_found: tuple[type[BaseException], ...]) -> Any:
         """``do`` under ``disabled()``: the loader's value, through the codec as every
@@ -404,6 +422,7 @@ class FlightCache:
         ttl: float | None,
         lease: float | None,
         timeout: float | None,
+        tags: tuple[str, ...] = (),
     ) -> None:
         left_ms = self._ahead.due(fk.digest, 1.0 if beta is True else float(beta))
         if left_ms is None or self._closed:
@@ -415,6 +434,8 @@ class FlightCache:
         job = LoaderJob(
             loader, self.envelope, fk.digest, key=key, with_context=wants_context(loader)
         )
+        if tags:
+            job.tag(tags, self._gate())
         self._local.refresh(fk, job, opts)
 
     def stream(
@@ -483,24 +504,50 @@ class FlightCache:
         return await invalidate_many(self._replace, [self.keyspace.flight(key) for key in keys])
 
     async def set(
-        self, key: Any, value: Any, *, ttl: float | None = None, if_token: int | None = None
+        self,
+        key: Any,
+        value: Any,
+        *,
+        ttl: float | None = None,
+        tags: Iterable[str] | None = None,
+        if_token: int | None = None,
     ) -> Invalidation:
         """Store ``value`` (computed elsewhere); return when no node serves the old one.
 
-        With ``if_token`` (a loader's ``FlightContext.token``), the value is written only
-        while that token is the owner's of the key's running flight, checked in the same
-        server call that writes: otherwise nothing is written and ``LeaseLost`` (with
-        ``.token``) is raised, so an owner that lost its flight cannot overwrite the new
-        owner's work.
+        ``tags`` as for ``do``. With ``if_token`` (a loader's ``FlightContext.token``), the
+        value is written only while that token is the owner's of the key's running
+        flight, checked in the same server call that writes: otherwise nothing is written
+        and ``LeaseLost`` (with ``.token``) is raised, so an owner that lost its flight
+        cannot overwrite the new owner's work.
         """
         if ttl is not None:
             seconds("ttl", ttl)
         if if_token is not None and (isinstance(if_token, bool) or not isinstance(if_token, int)):
             raise ConfigError(f"if_token must be a fencing token (an int): {if_token!r}")
+        names = check_tags(tags) if tags is not None else ()
         fk = self.keyspace.flight(key)
         data = self.envelope.encode(value, key=fk.digest)
         ttl_ms = int((self.ttl if ttl is None else ttl) * 1000) or 1
+        if names:  # the versions before the write: an invalidation after it makes it stale
+            await self._ready()
+            data = tagged(await self._gate().read(names), data)
         return await self._replace(fk, data, ttl_ms, if_token)
+
+    async def invalidate_tags(self, tags: Iterable[str]) -> Invalidation:
+        """Make every result stored with one of ``tags`` unreadable, everywhere; return when
+        no node can still serve one (as ``invalidate``: every live node with a near cache
+        dropped its copies and acknowledged, or the longest lease lapsed).
+
+        One counter per tag on the server, whatever number of results carry it; a flight
+        that started before still delivers to its callers, but what it stores is stale.
+        """
+        names = check_tags(tags)
+        await self._ready()
+        gate = self._gate()
+        if self._agent is None:  # memory://: this process is the only reader
+            await gate.bump(names)
+            return Invalidation("acked", 0, 0, 0.0)
+        return await self._agent.invalidate_tags(names, lambda: gate.bump(names))
 
     async def _replace(
         self, fk: FlightKeys, data: bytes | None, ttl_ms: int, if_token: int | None = None

@@ -25,6 +25,7 @@ from ._types import NOT_FOUND
 ERROR_TAG = b"e"
 STREAM_TAG = b"S"  # followed by a value envelope of the list of a stream's chunks
 NOT_FOUND_TAG = b"n"  # the loader said the thing does not exist (flightcache.NOT_FOUND)
+TAGGED_TAG = b"t"  # followed by a tag header and a stored value (_protocol/tags.py)
 MAX_ERROR_MESSAGE = 2000
 MAX_ERROR_RECORD = 64 * 1024  # an error's details past this are dropped (the error is kept)
 
@@ -104,7 +105,7 @@ def make_codec(codec: str | Codec) -> Codec:
     if (
         not isinstance(tag, bytes)
         or len(tag) != 1
-        or tag in (ERROR_TAG, STREAM_TAG, NOT_FOUND_TAG, b"j", b"m", b"p")
+        or tag in (ERROR_TAG, STREAM_TAG, NOT_FOUND_TAG, TAGGED_TAG, b"j", b"m", b"p")
     ):
         raise ConfigError("a custom codec needs a one-byte .tag not used by the built-in codecs")
     return codec

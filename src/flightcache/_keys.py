@@ -27,6 +27,28 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+MAX_TAG_CHARS = 256
+MAX_TAGS = 64
+
+
+def check_tags(tags: Any) -> tuple[str, ...]:
+    """A call's tags, checked, without duplicates, sorted: an iterable of 1-256 character
+    strings, at most 64. A bare string is refused (it is not a list of its characters)."""
+    if isinstance(tags, (str, bytes)):
+        raise ConfigError(f"tags must be a list of strings, not one string: {tags!r}")
+    try:
+        tags = list(tags)
+    except TypeError:
+        raise ConfigError(f"tags must be a list of strings, not {type(tags).__name__}") from None
+    for name in tags:
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_TAG_CHARS:
+            raise ConfigError(f"a tag is a string of 1-{MAX_TAG_CHARS} characters: {name!r}")
+    names = tuple(sorted(set(tags)))
+    if len(names) > MAX_TAGS:
+        raise ConfigError(f"at most {MAX_TAGS} tags on one result, not {len(names)}")
+    return names
+
+
 def canonical(key: Any) -> bytes:
     """The canonical bytes of a key: a str stands for itself, anything else is canonical JSON.
 
@@ -88,6 +110,14 @@ class KeySpace:
         """A Bloom filter's bitmap and parameter keys, under one hash tag of their own."""
         tag = f"{{{self.namespace}:bloom:{name}}}"
         return f"{self.namespace}:bloom:{tag}", f"{self.namespace}:bloom-params:{tag}"
+
+    def tag(self, name: str) -> str:
+        """A tag's version counter: its own hash tag, so its own slot on a Cluster."""
+        return f"{self.namespace}:tag:{{{self.namespace}:tag:{name}}}"
+
+    def tag_acks(self, invalidation: str) -> str:
+        """The list where nodes acknowledge one ``invalidate_tags``, in a slot of its own."""
+        return f"{self.namespace}:tagack:{{{self.namespace}:tagack:{invalidation}}}"
 
     def ack(self, digest: str, invalidation: str) -> str:
         """The list where nodes acknowledge one invalidation of one key."""

@@ -317,6 +317,14 @@ def _producer_for(
     return chunks
 
 
+def _listed(tags: Any) -> Any:
+    """Tags read in the caller's thread (an iterator); anything else is passed on for the
+    engine to check (a bare string is refused there, not split into characters)."""
+    if tags is None or isinstance(tags, (str, bytes, list, tuple, set, frozenset)):
+        return tags
+    return list(tags)
+
+
 def _not_in_a_loop() -> None:
     if asyncio._get_running_loop() is not None:
         raise ConfigError(
@@ -500,6 +508,7 @@ class FlightCacheSync:
         refresh_ahead: bool | float = False,
         not_found: tuple[type[BaseException], ...] = (),
         admit: BloomFilter | None = None,
+        tags: Iterable[str] | None = None,
     ) -> Any:
         """The value for ``key``: cached, or from the one running flight, or from ``loader()``.
 
@@ -529,6 +538,7 @@ class FlightCacheSync:
             store=store,
             refresh_ahead=refresh_ahead,
             not_found=not_found,
+            tags=_listed(tags),
         )
         return engine.run(call, self._call_bound(timeout, lease))
 
@@ -608,13 +618,26 @@ class FlightCacheSync:
         return engine.run(engine.cache.invalidate_many(keys), self._replace_bound)
 
     def set(
-        self, key: Any, value: Any, *, ttl: float | None = None, if_token: int | None = None
+        self,
+        key: Any,
+        value: Any,
+        *,
+        ttl: float | None = None,
+        tags: Iterable[str] | None = None,
+        if_token: int | None = None,
     ) -> Invalidation:
         """Store ``value`` (computed elsewhere); return when no node serves the old one.
-        With ``if_token``, only while that token owns the key's flight (``LeaseLost``)."""
+        ``tags`` as for ``do``; with ``if_token``, only while that token owns the key's
+        flight (``LeaseLost``)."""
         engine = self._engine()
-        call = engine.cache.set(key, value, ttl=ttl, if_token=if_token)
+        call = engine.cache.set(key, value, ttl=ttl, tags=_listed(tags), if_token=if_token)
         return engine.run(call, self._replace_bound)
+
+    def invalidate_tags(self, tags: Iterable[str]) -> Invalidation:
+        """Make every result stored with one of ``tags`` unreadable, everywhere; return when
+        no node can still serve one (as ``FlightCache.invalidate_tags``)."""
+        engine = self._engine()
+        return engine.run(engine.cache.invalidate_tags(_listed(tags)), self._replace_bound)
 
     def ping(self) -> float:
         """One round trip to the server, in seconds (0 for ``memory://``); never fails open."""

@@ -120,6 +120,7 @@ class Stats:
     rejected: int = 0  # do() calls a Bloom filter answered NOT_FOUND without any load
     refreshes_ahead: int = 0  # background recomputations started before a value expired
     fail_open: int = 0  # calls answered by this process alone while the server was down
+    tag_stale: int = 0  # tagged results read whose tags were invalidated since (misses)
     owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
     extra: dict[str, int] = field(default_factory=dict)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .._codec import ERROR_TAG
 
@@ -34,6 +34,9 @@ class NearCache:
         self.max_bytes = max_bytes
         self.clock = clock
         self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # Tagged copies only: their tags, and each tag's copies (invalidate_tags drops them).
+        self._tags_of: dict[str, tuple[str, ...]] = {}
+        self._by_tag: dict[str, set[str]] = {}
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -54,12 +57,16 @@ class NearCache:
         self.hits += 1
         return entry[1]
 
-    def put(self, digest: str, data: bytes, lease_end: float) -> None:
+    def put(self, digest: str, data: bytes, lease_end: float, tags: tuple[str, ...] = ()) -> None:
         if len(data) + ENTRY_OVERHEAD > self.max_bytes or lease_end <= self.clock():
             return
         self._remove(digest)
         self._entries[digest] = (lease_end, data)
         self.bytes += len(data) + ENTRY_OVERHEAD
+        if tags:
+            self._tags_of[digest] = tags
+            for tag in tags:
+                self._by_tag.setdefault(tag, set()).add(digest)
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             oldest = next(iter(self._entries))
             self._remove(oldest)
@@ -67,14 +74,32 @@ class NearCache:
     def drop(self, digest: str) -> None:
         self._remove(digest)
 
+    def drop_tags(self, tags: Iterable[str]) -> int:
+        """Drop every copy carrying one of ``tags``; how many were dropped."""
+        dropped = 0
+        for tag in tags:
+            for digest in list(self._by_tag.get(tag, ())):
+                self._remove(digest)
+                dropped += 1
+        return dropped
+
     def clear(self) -> None:
         self._entries.clear()
+        self._tags_of.clear()
+        self._by_tag.clear()
         self.bytes = 0
 
     def _remove(self, digest: str) -> None:
         entry = self._entries.pop(digest, None)
         if entry is not None:
             self.bytes -= len(entry[1]) + ENTRY_OVERHEAD
+        if self._tags_of:  # untagged caches never look further
+            for tag in self._tags_of.pop(digest, ()):
+                copies = self._by_tag.get(tag)
+                if copies is not None:
+                    copies.discard(digest)
+                    if not copies:
+                        del self._by_tag[tag]
 
 
 class Leaser:
@@ -97,13 +122,22 @@ class Leaser:
         self.live_until = live_until  # until when the live set surely lists this node
         self.clock = clock
 
-    def grant(self, digest: str, data: bytes, sent: float, ttl_left_ms: int, heard: int) -> None:
+    def grant(
+        self,
+        digest: str,
+        data: bytes,
+        sent: float,
+        ttl_left_ms: int,
+        heard: int,
+        tags: tuple[str, ...] = (),
+    ) -> None:
         """Keep ``data``, read by a request sent at ``sent`` when ``heard`` invalidations had
         been heard, for its lease: never past the value's own time left on the server, and
-        not at all if an invalidation was heard since (it may be about this very value)."""
+        not at all if an invalidation was heard since (it may be about this very value).
+        A copy with ``tags`` is dropped by an invalidation of any of them."""
         if self.heard() != heard or data[:1] == ERROR_TAG or ttl_left_ms <= 0:
             return
         lease = min(self.lease_s, ttl_left_ms / 1000)
         # Never past this node's own liveness: an invalidation waits only for live nodes.
         end = min(sent + lease, self.live_until()) - self.skew_margin_s
-        self.near.put(digest, data, end)
+        self.near.put(digest, data, end, tags)

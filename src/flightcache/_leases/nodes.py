@@ -243,23 +243,33 @@ class NodeAgent:
         self.seq += 1
 
     def _heard(self, data: bytes) -> None:
+        """An invalidation: of one key (``d``) or of tags (``t``), by node ``f``."""
         try:
             message = orjson.loads(data)
-            digest, invalidation, sender = message["d"], message["i"], message["f"]
+            invalidation, sender = message["i"], message["f"]
+            tags = message.get("t")
+            if tags is None:
+                digest = message["d"]
+                key = self.keyspace.ack(digest, invalidation)
+                conn = self.conn_for(self.keyspace.for_digest(digest))
+            else:
+                tags = [str(tag) for tag in tags]
+                key, conn = self.keyspace.tag_acks(invalidation), self.conn
         except (orjson.JSONDecodeError, KeyError, TypeError):
             log.warning("node %s: malformed invalidation message ignored", self.node_id)
             return
         self.seq += 1
         if self.near is not None:
-            self.near.drop(digest)
+            if tags is None:
+                self.near.drop(digest)
+            else:
+                self.near.drop_tags(tags)
         if sender != self.node_id:
-            task = asyncio.get_running_loop().create_task(self._ack(digest, invalidation))
+            task = asyncio.get_running_loop().create_task(self._ack(key, conn))
             self._acks.add(task)
             task.add_done_callback(self._acks.discard)
 
-    async def _ack(self, digest: str, invalidation: str) -> None:
-        key = self.keyspace.ack(digest, invalidation)
-        conn = self.conn_for(self.keyspace.for_digest(digest))
+    async def _ack(self, key: str, conn: RedisConnection) -> None:
         client = conn.client
 
         async def push() -> None:
@@ -322,6 +332,36 @@ class NodeAgent:
         work.add_done_callback(self._acks.discard)
         return await asyncio.shield(work)
 
+    async def invalidate_tags(
+        self, tags: tuple[str, ...], bump: Callable[[], Awaitable[None]]
+    ) -> Invalidation:
+        """Make every result stored with one of ``tags`` unreadable (``bump``: increment
+        their versions, one counter a tag), then make sure no node serves a copy of one:
+        every holder drops the copies carrying those tags and acknowledges, or the longest
+        lease lapses. As ``replace``, the rest runs to its end once the bump is done."""
+        started = self.clock()
+        if self.near is not None:
+            self.near.drop_tags(tags)
+        self.seq += 1
+        wait_s = self._longest_s + self.skew_margin_s
+        invalidation = os.urandom(8).hex()
+        await bump()
+        # Every copy to outwait was leased from a read sent before the bump's reply.
+        deadline = self.clock() + wait_s
+        message = orjson.dumps({"t": list(tags), "i": invalidation, "f": self.node_id})
+
+        async def outwait() -> Invalidation:
+            ack_key = self.keyspace.tag_acks(invalidation)
+            how, holders, acked = await self._broadcast(
+                message, ack_key, self.conn, deadline, wait_s
+            )
+            return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
+
+        work = asyncio.ensure_future(outwait())
+        self._acks.add(work)
+        work.add_done_callback(self._acks.discard)
+        return await asyncio.shield(work)
+
     async def _outwait(
         self,
         fk: FlightKeys,
@@ -331,26 +371,49 @@ class NodeAgent:
         deadline: float,
         wait_s: float,
     ) -> Invalidation:
-        # Who may hold the old value is read after the delete: a node that leased it was
+        async def lengthen(ms: int) -> None:  # the marker lasts as long as the wait
+            await conn.run(lambda: conn.client.pexpire(fk.marker, ms), fk)
+
+        message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
+        ack_key = self.keyspace.ack(fk.digest, invalidation)
+        how, holders, acked = await self._broadcast(
+            message, ack_key, self.conn_for(fk), deadline, wait_s, lengthen
+        )
+        if how == "acked":  # nobody can hold the old value: reads may lease again now
+            await conn.script(LUA["end_replace"], fk, (fk.marker,), (invalidation,))
+        return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
+
+    async def _broadcast(
+        self,
+        message: bytes,
+        ack_key: str,
+        ack_conn: RedisConnection,
+        deadline: float,
+        wait_s: float,
+        lengthen: Callable[[int], Awaitable[None]] | None = None,
+    ) -> tuple[str, set[str], set[str]]:
+        """Tell every node, then wait for the holders' acknowledgements on ``ack_key`` or
+        the longest lease (from ``deadline``, which ``wait_s`` was counted for): ``how``
+        (``acked`` or ``lease``), the holders waited for, those that acknowledged."""
+        # Who may hold the old value is read after the change: a node that leased it was
         # live then (it leases only while its own liveness lease holds, which the server's
-        # outlasts), so it is listed; a node that joins later reads after the marker, and
-        # a marked read is not leased.
+        # outlasts), so it is listed; a node that joins later reads after the marker (or
+        # the new tag versions), and a marked (or stale) read is not leased.
         live = await self._live()
         longest_s = max([self._longest_s, *(n.lease_ms / 1000 for n in live)])
         self._longest_s = longest_s
-        if longest_s + self.skew_margin_s > wait_s:  # a longer lease than the marker's wait
+        if longest_s + self.skew_margin_s > wait_s:  # a longer lease than the wait assumed
             deadline += longest_s + self.skew_margin_s - wait_s
-            ms = int((deadline - self.clock()) * 1000)
-            await conn.run(lambda: conn.client.pexpire(fk.marker, max(ms, 1)), fk)
+            if lengthen is not None:
+                await lengthen(max(int((deadline - self.clock()) * 1000), 1))
         holders = {n.node_id for n in live if n.lease_ms > 0 and n.node_id != self.node_id}
         # This node renews its liveness: if the server does not list it although its own
         # lease says it must, the server's live set cannot be trusted (its clock stepped
         # forward, or a failover lost the set): wait for the longest lease instead.
         trusted = self.clock() >= self.live_until or any(n.node_id == self.node_id for n in live)
-        message = orjson.dumps({"d": fk.digest, "i": invalidation, "f": self.node_id})
         client = self.conn.client
-        await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message), fk)
-        acked = await self._await_acks(fk, invalidation, holders, deadline)
+        await self.conn.run(lambda: client.publish(self.keyspace.invalidations, message))
+        acked = await self._await_acks(ack_key, ack_conn, holders, deadline)
         if not trusted:
             log.warning(
                 "node %s: the server's live set does not list this node; waiting out the "
@@ -361,16 +424,11 @@ class NodeAgent:
             left = deadline - self.clock()
             if left > 0:
                 await asyncio.sleep(left)  # the longest lease interval: then no copy is left
-        how = "acked" if trusted and holders <= acked else "lease"
-        if how == "acked":  # nobody can hold the old value: reads may lease again now
-            await conn.script(LUA["end_replace"], fk, (fk.marker,), (invalidation,))
-        return Invalidation(how, len(holders), len(acked & holders), self.clock() - started)
+        return ("acked" if trusted and holders <= acked else "lease"), holders, acked
 
     async def _await_acks(
-        self, fk: FlightKeys, invalidation: str, holders: set[str], deadline: float
+        self, key: str, conn: RedisConnection, holders: set[str], deadline: float
     ) -> set[str]:
-        key = self.keyspace.ack(fk.digest, invalidation)
-        conn = self.conn_for(fk)
         client = conn.blocking
         cap = max(conn.socket_timeout - 0.5, 0.1)
         acked: set[str] = set()
@@ -379,7 +437,7 @@ class NodeAgent:
             if left <= 0:
                 break  # the longest lease has lapsed: acknowledgements no longer matter
             block = min(left, cap)
-            reply: Any = await conn.run(functools.partial(client.blpop, [key], block), fk)
+            reply: Any = await conn.run(functools.partial(client.blpop, [key], block))
             if reply:
                 acked.add(reply[1].decode())
         return acked

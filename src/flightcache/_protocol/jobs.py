@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from .._codec import NOT_FOUND_TAG, Envelope
-from .._errors import ValueTooLarge
+from .._errors import BackendUnavailable, ValueTooLarge
 from .._types import NOT_FOUND, Loader
 from .context import FlightContext, invoke
 from .streaming import COALESCED, MISS, LocalStream
+from .tags import UNKNOWN, TagGate, Versions, tagged
 
 STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack array prefix)
 OWN = b"own"  # the generation of chunks this process produced itself
@@ -49,12 +51,27 @@ class LoaderJob:
         self.not_found = not_found  # exceptions that mean "does not exist"
         self.key = key  # the caller's key, for the loader's context
         self.with_context = with_context
+        # Tags: the value is stored with their versions, read before the loader starts.
+        self.tags: tuple[str, ...] = ()
+        self.gate: TagGate | None = None
+        self.versions_read: float | None = None  # when they were read (None: unknown)
+        self.made: bytes | None = None  # the result this process's loader made, if it ran
         # (when the request that delivered the stored value was sent, its TTL in ms): set
         # when the result may be leased by a near cache
         self.lease: tuple[float, int] | None = None
         self.cost_ms: int | None = None  # how long the loader ran, when known
 
+    def tag(self, tags: tuple[str, ...], gate: TagGate) -> None:
+        """Store the result with ``tags`` (their versions read by ``gate``)."""
+        self.tags, self.gate = tags, gate
+
     async def run(self, append: Append | None, context: FlightContext) -> bytes:
+        versions = await self._versions() if self.tags else None
+        encoded = await self._value(context)
+        self.made = encoded if versions is None else tagged(versions, encoded)
+        return self.made
+
+    async def _value(self, context: FlightContext) -> bytes:
         try:
             value = await invoke(self.loader, context if self.with_context else None)
         except self.not_found:
@@ -62,6 +79,19 @@ class LoaderJob:
         if value is NOT_FOUND:
             return NOT_FOUND_TAG
         return self.envelope.encode(value, key=self.digest)
+
+    async def _versions(self) -> Versions:
+        """The tags' versions now, before the loader reads anything: an invalidation after
+        this makes the result stale. Unknown when the server cannot say (fail-open)."""
+        assert self.gate is not None
+        sent = time.monotonic()
+        try:
+            versions = await self.gate.read(self.tags)
+        except BackendUnavailable:
+            self.versions_read = None
+            return dict.fromkeys(self.tags, UNKNOWN)
+        self.versions_read = sent
+        return versions
 
     def on_follow(self, claim_entry: bytes) -> None:
         """This process follows the flight whose claim is the stream entry ``claim_entry``."""

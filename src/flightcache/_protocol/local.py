@@ -16,19 +16,23 @@ and its expiry noted for refresh-ahead (``Expiries``: ``RefreshAhead`` of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from .._codec import Envelope
+from .._codec import TAGGED_TAG, Envelope
 from .._errors import ConfigError, FlightError, SerializationError
 from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .base import Flights
 from .jobs import Job, LoaderJob, Producer, StreamJob
 from .streaming import HIT, FlightStream, LocalStream
+from .tags import TagGate, current, untag
+
+STALE_ROUNDS = 5  # flights in a row whose tags were invalidated before one is current
 
 log = logging.getLogger("flightcache.near")
 
@@ -41,7 +45,13 @@ class Leases(Protocol):
         ...
 
     def grant(
-        self, digest: str, data: bytes, sent: float, ttl_left_ms: int, heard: int
+        self,
+        digest: str,
+        data: bytes,
+        sent: float,
+        ttl_left_ms: int,
+        heard: int,
+        tags: tuple[str, ...] = (),
     ) -> None: ...
 
 
@@ -115,6 +125,7 @@ class LocalFlights:
         self.ready = ready
         self.expiries = expiries
         self.leases: Leases | None = None
+        self.tags: TagGate | None = None  # set when the cache connects
         self.slots: dict[str, _Slot] = {}
         self.streams: dict[str, LocalStream] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -143,12 +154,29 @@ class LocalFlights:
         it may be, and with ``track``, its expiry noted for refresh-ahead."""
         leases = self.leases
         if leases is None and not track:
-            return await flights.lookup(fk)
+            data = await flights.lookup(fk)
+            if data is not None and data[:1] == TAGGED_TAG:
+                checked = await self._current(data)
+                return checked[0] if checked is not None else None
+            return data
         heard = leases.heard() if leases is not None else 0
         sent = time.monotonic()
         data, ttl_left_ms, leasable, cost_ms = await flights.lookup_full(fk)
-        self._saw(fk, data, sent, ttl_left_ms, leasable, cost_ms, heard, track)
+        tags: tuple[str, ...] = ()
+        if data is not None and data[:1] == TAGGED_TAG:
+            checked = await self._current(data)
+            if checked is None:
+                return None
+            data, tags = checked
+        self._saw(fk, data, sent, ttl_left_ms, leasable, cost_ms, heard, track, tags)
         return data
+
+    async def _current(self, data: bytes) -> tuple[bytes, tuple[str, ...]] | None:
+        """A tagged result's value and tags if no invalidation of its tags overtook it."""
+        checked = await current(self.tags, data)
+        if checked is None:
+            self.stats.tag_stale += 1
+        return checked
 
     def _saw(
         self,
@@ -160,13 +188,14 @@ class LocalFlights:
         cost_ms: int,
         heard: int,
         track: bool,
+        tags: tuple[str, ...] = (),
     ) -> None:
         """A result read from the server: leased into the near cache when it may be, and
         with ``track``, its expiry noted for refresh-ahead."""
         if data is None:
             return
         if leasable and self.leases is not None:
-            self.leases.grant(fk.digest, data, sent, ttl_left_ms, heard)
+            self.leases.grant(fk.digest, data, sent, ttl_left_ms, heard, tags)
         if track:
             self.expiries.saw(fk.digest, sent, ttl_left_ms, cost_ms)
 
@@ -191,12 +220,42 @@ class LocalFlights:
         handle: Any = None,
     ) -> bytes:
         result = await flights.resolve(fk, job, opts, handle)
+        tags: tuple[str, ...] = ()
+        if result[:1] == TAGGED_TAG:
+            result, tags = await self._fresh(flights, fk, job, opts, result)
         if job.lease is not None:
             sent, ttl_ms = job.lease
             self.expiries.saw(fk.digest, sent, ttl_ms, job.cost_ms)
             if self.leases is not None:
-                self.leases.grant(fk.digest, result, sent, ttl_ms, heard)
+                self.leases.grant(fk.digest, result, sent, ttl_ms, heard, tags)
         return result
+
+    async def _fresh(
+        self, flights: Flights, fk: FlightKeys, job: Job, opts: CallOptions, result: bytes
+    ) -> tuple[bytes, tuple[str, ...]]:
+        """A tagged flight result's value and tags, if no invalidation of its tags overtook
+        it; else the flight again with the stored result not counting (``refresh``), until
+        one is current. This process's own run is current for its callers: its versions
+        were read after they asked. Its lease counts from that read (unknown: no lease)."""
+        for _ in range(STALE_ROUNDS):
+            if isinstance(job, LoaderJob) and result is job.made:
+                if job.versions_read is None:
+                    job.lease = None
+                elif job.lease is not None:
+                    job.lease = (min(job.lease[0], job.versions_read), job.lease[1])
+                return untag(result)[1], job.tags
+            checked = await self._current(result)
+            if checked is not None:
+                return checked
+            job.lease = None
+            opts = dataclasses.replace(opts, refresh=True)
+            result = await flights.resolve(fk, job, opts, None)
+            if result[:1] != TAGGED_TAG:
+                return result, ()
+        raise FlightError(
+            f"the tags of this key were invalidated during {STALE_ROUNDS} reads in a row",
+            key=fk.digest,
+        )
 
     def refresh(self, fk: FlightKeys, job: LoaderJob, opts: CallOptions) -> None:
         """Recompute the value of ``fk`` in the background (refresh-ahead)."""
@@ -254,9 +313,35 @@ class LocalFlights:
             self._settle(slot, exc)
             raise
         data = opening.data
+        tags: tuple[str, ...] = ()
+        if data is not None and data[:1] == TAGGED_TAG:
+            try:
+                checked = await self._current(data)
+            except asyncio.CancelledError:
+                if slot.waited_on:  # others wait: a flight settles it for them
+                    self._start(slot, fk, lambda: start(None))
+                else:
+                    self._settle(slot, asyncio.CancelledError())
+                raise
+            except BaseException as exc:
+                self._settle(slot, exc)
+                raise
+            if checked is None:  # stale: a flight, whose join finds it stale and refreshes
+                outcome = slot.wait()
+                self._start(slot, fk, lambda: start(None))
+                return await asyncio.shield(outcome), False
+            data, tags = checked
         if data is not None:
             self._saw(
-                fk, data, sent, opening.ttl_left_ms, opening.leasable, opening.cost_ms, heard, track
+                fk,
+                data,
+                sent,
+                opening.ttl_left_ms,
+                opening.leasable,
+                opening.cost_ms,
+                heard,
+                track,
+                tags,
             )
             self._settle(slot, data)
             return data, True
@@ -315,7 +400,7 @@ class LocalFlights:
             if isinstance(opening, BaseException):
                 self._settle(slot, opening)
                 results[i] = opening
-            elif opening.data is not None:
+            elif opening.data is not None and opening.data[:1] != TAGGED_TAG:
                 self._saw(
                     fks[i],
                     opening.data,
@@ -329,9 +414,10 @@ class LocalFlights:
                 self._settle(slot, opening.data)
                 results[i] = opening.data
                 hits += 1
-            else:
+            else:  # a miss, or a tagged result its flight checks (or computes again)
                 outcomes[i] = slot.wait()  # made before the flight can settle the slot
-                self._start(slot, fks[i], functools.partial(start, i, opening.handle))
+                handle = opening.handle if opening.data is None else None
+                self._start(slot, fks[i], functools.partial(start, i, handle))
         if outcomes:
             order = list(outcomes)
             answers = await asyncio.gather(
