@@ -372,9 +372,13 @@ def scenario(name: str, sdk: str, path: list[str], **fields: Any) -> dict[str, A
     }
 
 
-def stampede(server: EmbeddedServer, upstream: str, scenarios: list[dict[str, Any]]) -> Any:
-    """4 worker processes run each scenario at once (50 calls each); their summaries."""
+def stampede(
+    server: EmbeddedServer, upstream: str, scenarios: list[dict[str, Any]], **control: Any
+) -> Any:
+    """4 worker processes run each scenario at once (50 calls each); their summaries, and
+    the upstream's call count before the first (``control``: the mock's settings then)."""
     spec = {
+        "control": control,
         "redis": server.url,
         "namespace": "w" + uuid.uuid4().hex[:10],
         "upstream": upstream,
@@ -382,12 +386,15 @@ def stampede(server: EmbeddedServer, upstream: str, scenarios: list[dict[str, An
         "scenarios": scenarios,
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "tests.helpers.sdk_worker", json.dumps(spec)]
     procs = [
         subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-m", "tests.helpers.sdk_worker", json.dumps({**spec, "index": i})],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
-        for _ in range(4)
+        for i in range(4)
     ]
     outputs = []
     try:
@@ -400,7 +407,9 @@ def stampede(server: EmbeddedServer, upstream: str, scenarios: list[dict[str, An
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    return {s["name"]: [o[s["name"]] for o in outputs] for s in scenarios}
+    results = {s["name"]: [o[s["name"]] for o in outputs] for s in scenarios}
+    results["baseline"] = next(o["baseline"] for o in outputs if o["baseline"] is not None)
+    return results
 
 
 def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,7 +436,7 @@ def test_four_processes_of_fifty_identical_wrapped_calls_make_one_upstream_call(
     """Each burst is 4 processes x 50 identical calls; the first one meets a 429, which
     reaches all 200 callers as the SDK's RateLimitError (with its retry-after) and is not
     stored."""
-    control(upstream, mode="rate_limit", times=1, latency_ms=400, retry_after=3)
+    control(upstream, latency_ms=600)
     user = [{"role": "user", "content": prompt("burst")}]
     limited = [{"role": "user", "content": prompt("limit")}]
     scenarios = [
@@ -452,10 +461,11 @@ def test_four_processes_of_fifty_identical_wrapped_calls_make_one_upstream_call(
                      max_tokens=40, messages=[{"role": "user", "content": prompt("sync")}],
                      stream=True, sync=True),
         ]  # fmt: skip
-    results = stampede(server, upstream, scenarios)
+    results = stampede(server, upstream, scenarios, mode="rate_limit", times=1, retry_after=3)
     stats = calls(upstream)
-    assert stats["calls"] == len(scenarios), stats  # one upstream call per burst
-    errors = merged(results.pop("limited"))
+    made = stats["calls"] - results.pop("baseline")  # after the workers' warm-up calls
+    assert made == len(scenarios), stats  # one upstream call per burst
+    errors = merged(results.pop("limited"))  # the mock failed it on purpose (see below)
     assert errors["errors"] == {"RateLimitError:429": 200}, errors
     assert errors["retry_after"] == {"3"}
     expected_types = {

@@ -1,11 +1,14 @@
 """One process of the wrapped-SDK stampede tests: ``python -m tests.helpers.sdk_worker SPEC``.
 
-SPEC (JSON) names the Redis URL, the namespace, the upstream (the mock) and a list of
-scenarios. For each scenario every worker waits at a barrier (a Redis counter), then makes
-``calls`` identical wrapped calls at once (coroutines on an async client, or threads on a
-sync one) and records, per call, the SDK types it got, a digest of what it got (the answer,
-or the whole list of stream events) and the outcome (HIT, MISS, COALESCED), or the
-exception's class and status. It prints one JSON line: a summary per scenario.
+SPEC (JSON) names the Redis URL, the namespace, the upstream (the mock), this worker's
+index and a list of scenarios. Each worker first makes one plain SDK call of each kind (a
+warm-up: the SDKs import their types on first use), then worker 0 notes the upstream's call
+count and sends SPEC's ``control`` to the mock, if any. For each scenario every worker
+waits at a barrier (a Redis counter), then makes ``calls`` identical wrapped calls at once
+(coroutines on an async client, or threads on a sync one) and records, per call, the SDK
+types it got, a digest of what it got (the answer, or the whole list of stream events) and
+the outcome (HIT, MISS, COALESCED), or the exception's class and status. It prints one
+JSON line: a summary per scenario.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import json
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import redis
 
@@ -170,10 +175,46 @@ def run_sync(spec: dict[str, Any], scenario: dict[str, Any], r: redis.Redis) -> 
         return summary(results, outcomes)
 
 
+def warm_up(spec: dict[str, Any], r: redis.Redis) -> int | None:
+    """One plain SDK call of each kind first (the SDKs import their types on first use),
+    then a barrier; worker 0 answers the upstream's call count after it."""
+    kinds = {
+        (s["sdk"], tuple(s["path"]), bool(s["kwargs"].get("stream"))) for s in spec["scenarios"]
+    }
+    for sdk, path, stream in sorted(kinds):
+        client = client_for({"sdk": sdk}, spec["upstream"], False)
+        create = create_of(client, {"path": path})
+        kwargs = dict(
+            next(
+                s["kwargs"]
+                for s in spec["scenarios"]
+                if s["sdk"] == sdk and tuple(s["path"]) == path
+            )
+        )
+        kwargs["stream"] = stream
+        if "input" in kwargs:
+            kwargs["input"] = f"warm {uuid.uuid4().hex}"
+        else:
+            kwargs["messages"] = [{"role": "user", "content": f"warm {uuid.uuid4().hex}"}]
+        result = create(**kwargs)
+        if stream:
+            with result:
+                list(result)
+        client.close()
+    barrier(r, f"{spec['namespace']}:warm", spec["workers"])
+    calls: int | None = None
+    if spec["index"] == 0:
+        calls = httpx.get(f"{spec['upstream']}/stats", timeout=10).json()["calls"]
+        if spec.get("control"):  # the mock's behaviour for the scenarios
+            httpx.post(f"{spec['upstream']}/control", json=spec["control"], timeout=10)
+    barrier(r, f"{spec['namespace']}:controlled", spec["workers"])
+    return calls
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     r = redis.Redis.from_url(spec["redis"])
-    out = {}
+    out: dict[str, Any] = {"baseline": warm_up(spec, r)}
     for scenario in spec["scenarios"]:
         if scenario.get("sync"):
             out[scenario["name"]] = run_sync(spec, scenario, r)
