@@ -58,10 +58,7 @@ async def _packed(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> 
     replies: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in (0, 1):
-        packed = b"".join(
-            pack_command(b"EVALSHA", lua.sha, len(calls[i][0]), *calls[i][0], *calls[i][1])
-            for i in todo
-        )
+        packed = _pack_all(lua, [calls[i] for i in todo])
         connection = await pool.get_connection()
         missing: list[int] = []
         try:
@@ -84,6 +81,31 @@ async def _packed(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> 
         await conn.client.script_load(lua.text)
         todo = missing
     return replies
+
+
+def _pack_all(lua: Script, calls: Sequence[Call]) -> bytes:
+    """``EVALSHA`` of every call, in RESP, exactly as ``pack_command`` writes each: the calls
+    of one batch repeat most of their arguments (node id, TTLs, modes), encoded once here."""
+    seen: dict[Any, bytes] = {}
+    head = pack_command(b"EVALSHA", lua.sha)[4:]  # the two bulk strings, without "*2"
+    out: list[bytes] = []
+    for keys, args in calls:
+        count = b"%d" % len(keys)
+        out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
+        for arg in (*keys, *args):
+            part = seen.get(arg) if type(arg) in (str, bytes) else None
+            if part is None:
+                if type(arg) is bytes:
+                    data = arg
+                elif type(arg) is str:
+                    data = arg.encode()
+                else:
+                    data = pack_command(arg)[4:]
+                    out.append(data)
+                    continue
+                part = seen[arg] = b"$%d\r\n%b\r\n" % (len(data), data)
+            out.append(part)
+    return b"".join(out)
 
 
 class Together:
