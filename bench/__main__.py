@@ -22,10 +22,10 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _scale, _stampede, _sync
+from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _scale, _sdk, _stampede, _sync
 from ._util import ROOT
 
-SECTIONS = ("stampede", "hit", "gateway", "near", "cluster", "protect", "scale", "sync")
+SECTIONS = ("stampede", "hit", "gateway", "near", "cluster", "protect", "scale", "sync", "sdk")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--skip-sync", action="store_true", help="skip the sync client (FlightCacheSync)"
+    )
+    p.add_argument(
+        "--skip-sdk", action="store_true", help="skip the OpenAI / Anthropic SDK wrappers"
     )
     p.add_argument(
         "--skip-scale", action="store_true", help="skip scale across distinct keys (section 7)"
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     bloom_figures: dict[str, Any] | None = None
     ahead_figures: dict[str, Any] | None = None
     sync_figures: dict[str, Any] | None = None
+    sdk_figures: dict[str, Any] | None = None
+    sdk: dict[str, Any] = {"callers": 20, "rounds": 1, "hit_ops": 200} if args.quick else {}
     scale_figures: dict[str, Any] | None = None
     try:
         server.start()
@@ -230,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                 "stampede": asyncio.run(sync_stampede),
             }
             _report.print_sync(sync_figures)
+        if not args.skip_sdk:
+            sdk_figures = asyncio.run(_sdk.run(server.url, processes=args.processes, **sdk))
+            _report.print_sdk(sdk_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
     rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
     rows += _report.sync_targets(sync_figures)
+    rows += _report.sdk_targets(sdk_figures)
     rows += _report.scale_key_targets(scale_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
@@ -253,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "bloom": bloom_figures,
             "refresh_ahead": ahead_figures,
             "sync": sync_figures,
+            "sdk": sdk_figures,
             "scale_distinct_keys": scale_figures,
             "targets": rows,
         }
@@ -287,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if sync_figures is not None:
         s = sync_figures["stampede"]
         broken = broken or any(r != 1 for r in s["loader_runs_per_round"]) or bool(s["errors"])
+    if sdk_figures is not None:
+        calls = sdk_figures["upstream_calls_per_burst"].values()
+        broken = broken or any(c != 1 for v in calls for c in v) or bool(sdk_figures["errors"])
     return 1 if broken else 0
 
 

@@ -906,3 +906,53 @@ def sync_targets(s: dict[str, Any] | None) -> list[dict[str, Any]]:
         ),
         _wake_target("sync stampede ", st["wake_lag_ms"]),
     ]
+
+
+def print_sdk(k: dict[str, Any]) -> None:
+    """The SDK wrappers' section (bench/_sdk.py): hit overhead, calls per burst, TTFT."""
+    c = k["config"]
+    print()
+    print(
+        "SDK wrappers: flightcache.integrations with the real openai and anthropic "
+        "clients, one `flightcache mock-upstream`"
+    )
+    print(f"   hit overhead: {c['hit_ops']} sequential non-stream calls each, mock latency 0")
+    print(f"     {'':<44} {'n':>5} {'p50':>9} {'p99':>9} {'max':>9}")
+    for api, rows in k["hit_overhead_ms"].items():
+        print(_row(f"{api}: the mock called directly", rows["direct"], " ms"))
+        print(_row(f"{api}: the wrapped client, a hit", rows["wrapped_hit"], " ms"))
+    print(
+        f"   bursts: {c['processes']} processes x {c['callers']} identical wrapped calls, "
+        f"{c['rounds']} per API; mock: first token after {c['mock_latency_ms']} ms, "
+        f"{c['mock_tokens_per_s']} tokens/s"
+    )
+    for api, counts in k["upstream_calls_per_burst"].items():
+        print(f"     {api:<44} upstream calls per burst: {counts}")
+    print("   time to first text delta: the owner's, and each follower's minus the owner's")
+    for api, owner in k["owner_ttft_ms"].items():
+        print(_row(f"{api}: owner TTFT", owner, " ms"))
+        lag = k["follower_ttft_minus_owner_ms"][api]
+        print(_row(f"{api}: follower TTFT - owner TTFT", lag, " ms"))
+    if k["errors"]:
+        print(f"   errors: {k['errors']}")
+
+
+def sdk_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if k is None:
+        return []
+    counts = [c for v in k["upstream_calls_per_burst"].values() for c in v]
+    hits = k["hit_overhead_ms"]
+    worst = max(hits[api]["wrapped_hit"]["p50"] / hits[api]["direct"]["p50"] for api in hits)
+    measured = ", ".join(
+        f"{api} {hits[api]['wrapped_hit']['p50']:.2f} vs {hits[api]['direct']['p50']:.2f} ms"
+        for api in hits
+    )
+    return [
+        _target(
+            "sdk wrappers: one upstream call per burst",
+            f"{sum(c == 1 for c in counts)}/{len(counts)} bursts",
+            max(counts),
+            all(c == 1 for c in counts) and not k["errors"],
+        ),
+        _target("sdk wrappers: a hit's p50 <= a direct mock call's", measured, worst, worst <= 1),
+    ]
