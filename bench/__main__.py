@@ -22,10 +22,33 @@ import redis.asyncio as aioredis
 
 from flightcache import EmbeddedServer
 
-from . import _cluster, _gateway, _hitpath, _near, _protect, _report, _scale, _sdk, _stampede, _sync
+from . import (
+    _batch,
+    _cluster,
+    _gateway,
+    _hitpath,
+    _near,
+    _protect,
+    _report,
+    _scale,
+    _sdk,
+    _stampede,
+    _sync,
+)
 from ._util import ROOT
 
-SECTIONS = ("stampede", "hit", "gateway", "near", "cluster", "protect", "scale", "sync", "sdk")
+SECTIONS = (
+    "stampede",
+    "hit",
+    "gateway",
+    "near",
+    "cluster",
+    "protect",
+    "scale",
+    "sync",
+    "sdk",
+    "batch",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--skip-scale", action="store_true", help="skip scale across distinct keys (section 7)"
     )
+    p.add_argument("--skip-batch", action="store_true", help="skip batch loading and tags")
     p.add_argument(
         "--only",
         action="append",
@@ -162,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway, near = {}, {}  # the defaults of _gateway.run and _near.run
         ring, bloom, ahead = {}, {}, {}  # the defaults of _cluster.run_ring and _protect
         scale = {}  # the defaults of _scale.run
+    batch: dict[str, Any] = {}  # the defaults of _batch.run
+    if args.quick:
+        batch = {"hits": {"rounds": 3, "seconds": 0.3}, "tags": {"tagged": 2_000}}
     started = time.monotonic()
     server = EmbeddedServer()
     stampede: dict[str, Any] | None = None
@@ -175,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_figures: dict[str, Any] | None = None
     sdk_figures: dict[str, Any] | None = None
     sdk: dict[str, Any] = {"callers": 20, "rounds": 1, "hit_ops": 200} if args.quick else {}
+    batch_figures: dict[str, Any] | None = None
     scale_figures: dict[str, Any] | None = None
     try:
         server.start()
@@ -238,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_sdk:
             sdk_figures = asyncio.run(_sdk.run(server.url, processes=args.processes, **sdk))
             _report.print_sdk(sdk_figures)
+        if not args.skip_batch:
+            batch_figures = asyncio.run(_batch.run(server.url, **batch))
+            _report.print_batch(batch_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
     rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
     rows += _report.sync_targets(sync_figures)
+    rows += _report.batch_targets(batch_figures)
     rows += _report.sdk_targets(sdk_figures)
     rows += _report.scale_key_targets(scale_figures)
     _report.print_targets(rows)
@@ -262,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             "bloom": bloom_figures,
             "refresh_ahead": ahead_figures,
             "sync": sync_figures,
+            "batch": batch_figures,
             "sdk": sdk_figures,
             "scale_distinct_keys": scale_figures,
             "targets": rows,
@@ -300,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     if sdk_figures is not None:
         calls = sdk_figures["upstream_calls_per_burst"].values()
         broken = broken or any(c != 1 for v in calls for c in v) or bool(sdk_figures["errors"])
+    if batch_figures is not None:
+        tags = batch_figures["tags"]["invalidate_tags"]
+        broken = broken or tags["stale_reads_after"] > 0
     return 1 if broken else 0
 
 

@@ -956,3 +956,73 @@ def sdk_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:
         ),
         _target("sdk wrappers: a hit's p50 <= a direct mock call's", measured, worst, worst <= 1),
     ]
+
+
+def print_batch(b: dict[str, Any]) -> None:
+    """Batch loading and tags (bench/_batch.py): do_many against one MGET, a batch miss's
+    round trips, invalidate_tags against invalidate_many, the read cost of a tag."""
+    h, m, t = b["hits"], b["misses"], b["tags"]
+    n = h["config"]["keys"]
+    print()
+    print(f"Batch loading and tags: {n} keys a call, near cache off (the server answers)")
+    print(f"   {n} stored keys, one call each, alternating rounds     calls/s  x one MGET")
+    rows = (
+        (f"one MGET of {n} keys (raw redis-py), the baseline", "mget", 1.0),
+        (f"fc.do_many({n} keys)", "do_many", h["ratio_to_mget"]["do_many"]),
+        (f"asyncio.gather of {n} fc.do", "gather_do", h["ratio_to_mget"]["gather_do"]),
+    )
+    for label, name, ratio in rows:
+        print(f"     {label:<52} {h['calls_per_s'][name]:8.0f}  {ratio:9.3f}")
+    print(f"   {n} keys nobody has, one call each        round trips  server commands  wall ms")
+    for label, name in (("fc.do_many", "do_many"), (f"asyncio.gather of {n} fc.do", "gather_do")):
+        r = m[name]
+        print(
+            f"     {label:<40} {r['round_trips']:9.0f}  {r['server_commands']:15.0f}"
+            f"  {r['wall_ms']:7.1f}"
+        )
+    it, im = t["invalidate_tags"], t["invalidate_many"]
+    k = t["config"]["tagged_results"]
+    print(f"   {k} results under one tag, one other node holding a copy   commands        s")
+    print(
+        f"     {'invalidate_tags([tag])':<56} {it['server_commands']:8.0f}  {it['seconds']:7.4f}"
+        f"   ({it['how']}, {it['acked']}/{it['nodes']} acked, stale reads after: "
+        f"{it['stale_reads_after']})"
+    )
+    print(
+        f"     {f'invalidate_many of the {k} keys, the baseline':<56} "
+        f"{im['server_commands']:8.0f}  {im['seconds']:7.4f}"
+    )
+    print(
+        f"     invalidate_tags: {t['ratio_commands']:.0f}x fewer commands, "
+        f"{t['ratio_seconds']:.0f}x less time"
+    )
+    th = t["tagged_hit"]
+    print("   a hit served by the server, sequential              calls/s  round trips")
+    for name in ("untagged", "tagged"):
+        print(
+            f"     fc.do, {name + ' key':<45} {th['calls_per_s'][name]:8.0f}"
+            f"  {th['round_trips'][name]:11d}"
+        )
+    print(f"     a tagged hit: x {th['ratio_tagged_to_untagged']:.2f} an untagged one's calls/s")
+
+
+def batch_targets(b: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if b is None:
+        return []
+    m, t = b["misses"], b["tags"]
+    it = t["invalidate_tags"]
+    return [
+        _target(
+            "do_many miss: 2 round trips however many keys",
+            f"{m['do_many']['round_trips']:.0f} for {m['config']['keys']} keys",
+            m["do_many"]["round_trips"],
+            m["do_many"]["round_trips"] <= 2,
+        ),
+        _target(
+            "invalidate_tags: O(1) per tag, whatever the results under it",
+            f"{it['server_commands']:.0f} commands, {it['seconds'] * 1000:.1f} ms for "
+            f"{t['config']['tagged_results']} results",
+            it["server_commands"],
+            it["server_commands"] <= 16 and it["stale_reads_after"] == 0,
+        ),
+    ]
