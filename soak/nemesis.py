@@ -236,7 +236,7 @@ class Nemesis:
             kind = self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
             self._retry, self._tries = kind, 0
         self._tries += 1
-        if self._tries >= 10:  # (a fault with no target for 0.5 s: draw another)
+        if self._tries >= 20:  # (a fault with no target for 1 s: draw another)
             self._retry = None
         injected = bool(getattr(self, "_" + kind.replace("-", "_"))())
         if injected:

@@ -201,6 +201,7 @@ SHORT = ["--seconds", "12", "--workers", "5", "--nemesis", "stops", "--seed", "7
 
 
 def soak(folder: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    folder.mkdir(parents=True, exist_ok=True)
     summary = folder / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "soak", *SHORT, "--json", str(summary), "--dir", str(folder), *args],
@@ -222,9 +223,15 @@ def test_the_short_soak_finds_no_violation(tmp_path: Path) -> None:
     assert summary["ops"]["do"]["ok"] >= 50, output
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(110)
 def test_the_soak_catches_a_complete_flight_without_its_token_check(tmp_path: Path) -> None:
-    code, summary, output = soak(tmp_path, "--mutant", "skip-fence")
+    # A stale write becomes visible when an owner wakes with its loader done after its lease
+    # lapsed, and an invalidation ran or another owner's value was read meanwhile: one 12 s
+    # run shows it about 9 times in 10 (measured), so a silent first run gets a second one.
+    for attempt in range(2):
+        code, summary, output = soak(tmp_path / str(attempt), "--mutant", "skip-fence")
+        if code != 0:
+            break
     assert code == 1, output
     v = summary["violations"]
     # A stale owner's result was stored over an invalidation or a newer owner's result.
