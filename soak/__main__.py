@@ -1,7 +1,7 @@
 """``python -m soak``: a fault soak of flightcache, then a check of every record.
 
 Exits 0 when the checker finds no violation, 1 when it finds any, 2 when the run itself
-could not be made (a server or worker did not start).
+could not be made (a server or worker did not start). See docs/faults.md, "The fault soak".
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from . import checker
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             folder, report = run(opts)
-        except RuntimeError as exc:
-            print(f"soak: {exc}", file=sys.stderr)
+        except Exception:  # the run could not be made: no verdict on the library
+            traceback.print_exc()
+            print("soak: the run could not be made", file=sys.stderr)
             return 2
     print(table(report))
     for name in checker.CHECKS:

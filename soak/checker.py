@@ -195,8 +195,6 @@ class Faults:
             return "link"
         if _hits(self.server, a, b):
             return "server"
-        if b >= self.end:
-            return "shutdown"
         return None
 
 
@@ -344,6 +342,8 @@ def check(folder: Path) -> Report:
     faulted: dict[str, str] = {}
     for run in loads:
         why = faults.hit(run, run.start - AROUND_S, _finish(run, faults) + AROUND_S)
+        if why is None and _finish(run, faults) >= faults.end:
+            why = "shutdown"  # still running when the soak ended
         if why is None and run.tok is None:
             why = "fail-open"  # a run of this process alone: no flight on the server had it
         if why:
