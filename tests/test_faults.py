@@ -392,3 +392,24 @@ async def test_a_result_the_server_refuses_goes_to_local_callers_and_is_no_loade
         await admin.config_set("maxmemory", "0")
         await owner.aclose()
         await admin.aclose()
+
+
+async def test_calls_after_the_server_closed_idle_connections_do_not_fail(
+    make_cache: Any, redis_client: Any
+) -> None:
+    """A restart or a cut leaves the pools' idle connections dead: the next command finds
+    out at once and goes again on a fresh connection, so neither an invalidation (which
+    waits on the blocking pool) nor a flight reports an outage that is over."""
+    holder, invalidator = make_cache(), make_cache()
+    await invalidator.set("k", "v", ttl=60)
+    assert await holder.get("k") == "v"  # a holder to wait for
+    await redis_client.client_kill_filter(_type="normal", skipme=True)
+    result = await invalidator.invalidate("k")
+    assert result.how == "acked", result
+    await redis_client.client_kill_filter(_type="normal", skipme=True)
+
+    async def loader() -> str:
+        return "fresh"
+
+    assert await invalidator.do("j", loader) == "fresh"
+    assert invalidator.stats["fail_open"] == 0

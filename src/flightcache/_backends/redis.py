@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -31,6 +32,7 @@ T = TypeVar("T")
 log = logging.getLogger("flightcache.redis")
 
 CLUSTER_SCHEME = "redis+cluster://"
+STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
 
 
 class RedisConnection:
@@ -87,6 +89,10 @@ class RedisConnection:
             socket_connect_timeout=connect_timeout,
             client_name=client_name,
             decode_responses=False,
+            # A connection the server closed while it sat idle (a restart, a cut) fails its
+            # next command at once: that command goes again, once, on a fresh connection.
+            # Every command and script here is safe to send twice (docs/protocol.md).
+            retry=Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
             **keepalive(url),
         )
         pool: BoundedPool
@@ -288,6 +294,15 @@ class RedisConnection:
                 f"cannot reach Redis at {self.safe_url}: {type(exc).__name__}"
                 + (f" ({detail})" if detail else "")
             ) from exc
+        except AttributeError as exc:
+            if self.cluster is None or "NoneType" not in str(exc):
+                raise
+            # redis-py's cluster client, on a connection torn down under it (a failover, a
+            # reconnect racing a command), fails inside itself like this (NOTES: its lazy
+            # set-up race): the server is out of reach, not the caller's bug.
+            raise BackendUnavailable(
+                f"cannot reach Redis at {self.safe_url}: a connection closed mid-command"
+            ) from exc
         except rexc.ResponseError as exc:
             if "WRONGTYPE" in str(exc) and fk is not None:
                 raise await self._wrong_type(fk) from exc
@@ -325,23 +340,34 @@ class RedisConnection:
         again; a connection interrupted mid-command is dropped, never reused."""
         packed = pack_command(b"EVALSHA", lua.sha, len(keys), *keys, *args)
         pool: Any = self.client.connection_pool
-        for attempt in (0, 1):
+        loaded = resent = False
+        while True:
             conn = await pool.get_connection()
+            idle = conn.is_connected  # reused: the server may have closed it meanwhile
+            sent = time.monotonic()
             try:
                 await conn.send_packed_command(packed, check_health=False)
                 return await conn.read_response()
             except rexc.NoScriptError:
-                if attempt:
+                if loaded:
                     raise
+                loaded = True
             except rexc.ResponseError:
                 raise  # an answer: the connection is fine
+            except (rexc.ConnectionError, OSError):
+                await conn.disconnect(nowait=True)
+                # A connection found dead at once (closed while idle) is not an outage:
+                # once, on a fresh one (scripts are safe to send twice).
+                if resent or not idle or time.monotonic() - sent > STALE_S:
+                    raise
+                resent = True
+                continue
             except BaseException:
                 await conn.disconnect(nowait=True)
                 raise
             finally:
                 await pool.release(conn)
             await self.client.script_load(lua.text)
-        raise AssertionError("unreachable")
 
     async def _wrong_type(self, fk: FlightKeys) -> ConfigError:
         expected = {
