@@ -31,6 +31,7 @@ from ._util import python_module, summary
 
 LATENCY_MS = 200  # the mock's time to first token in the bursts
 TOKENS_PER_S = 100
+LEASE_S = 3.0  # the flights' lease (FlightCache's default)
 
 
 async def _hit_overhead(
@@ -158,14 +159,16 @@ def _analyse(bursts: list[dict[str, Any]], outputs: list[dict[str, Any]]) -> dic
     lags: dict[str, list[float]] = {}
     owners: dict[str, list[float]] = {}
     hits: dict[str, int] = {}
-    errors = 0
+    errors: dict[str, int] = {}
     before = first["calls_before"]
     for burst, after in zip(bursts, counts, strict=True):
         api = burst["api"]
         calls.setdefault(api, []).append(after - before)
         before = after
         records = [r for o in outputs for r in o["bursts"][burst["name"]]]
-        errors += sum(1 for r in records if r.get("error"))
+        for record in records:
+            if record.get("error"):
+                errors[record["error"]] = errors.get(record["error"], 0) + 1
         owner = [r for r in records if r.get("source") == "MISS"]
         if len(owner) != 1 or not burst["kwargs"].get("stream"):
             continue
@@ -205,6 +208,7 @@ async def run(
                 "workers": processes,
                 "callers": callers,
                 "bursts": bursts,
+                "lease": LEASE_S,
             }
             outputs = await _run_workers(spec, processes)
     finally:

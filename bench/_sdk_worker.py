@@ -64,7 +64,7 @@ async def burst(client: Any, spec: dict[str, Any], callers: int) -> list[dict[st
                 await create(**spec["kwargs"])
                 record["first"] = time.time()
         except Exception as exc:
-            record["error"] = type(exc).__name__
+            record["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         return record
 
     return await asyncio.gather(*[one() for _ in range(callers)])
@@ -74,7 +74,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
     r = redis.Redis.from_url(spec["redis"])
     out: dict[str, Any] = {"bursts": {}, "calls_after": []}
     async with (
-        FlightCache(spec["redis"], namespace=spec["namespace"]) as fc,
+        FlightCache(spec["redis"], namespace=spec["namespace"], lease=spec["lease"]) as fc,
         httpx.AsyncClient(timeout=10) as http,
     ):
         chat = fc_openai.coalesce(
@@ -102,6 +102,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
             if spec["index"] == 0:
                 stats = (await http.get(f"{spec['upstream']}/stats")).json()
                 out["calls_after"].append(stats["calls"])
+        out["stats"] = fc.stats
         await chat.close()
         await claude.close()
     r.close()

@@ -17,6 +17,7 @@ exception of the same class from it.
 from __future__ import annotations
 
 import types
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -48,6 +49,7 @@ class Sdk:
         self.APITimeoutError: type[Exception] = module.APITimeoutError
         exceptions = vars(getattr(module, "_exceptions", module))
         self._http: Any = exceptions.get("httpx2") or exceptions.get("httpx")
+        self._unions: dict[Any, dict[str, Any] | None] = {}
 
     # -- values -------------------------------------------------------------------------------
 
@@ -77,9 +79,32 @@ class Sdk:
             return obj.model_dump(mode="json", exclude_unset=True, by_alias=True)
         return obj
 
+    def _members(self, kind: Any) -> dict[str, Any] | None:
+        """A union of event types by their ``type`` literal (``ResponseStreamEvent`` has
+        about fifty members: resolving it member by member costs ten times the build)."""
+        if kind in self._unions:
+            return self._unions[kind]
+        args = typing.get_args(kind)
+        if typing.get_origin(kind) is typing.Annotated:
+            args = typing.get_args(args[0])
+        mapping: dict[str, Any] | None = {}
+        for member in args:
+            fields = getattr(member, "model_fields", None)
+            field = fields.get("type") if isinstance(fields, dict) else None
+            values = typing.get_args(field.annotation) if field is not None else ()
+            if mapping is None or not values or not all(isinstance(v, str) for v in values):
+                mapping = None
+                break
+            mapping.update(dict.fromkeys(values, member))
+        self._unions[kind] = mapping or None
+        return mapping or None
+
     def build(self, kind: Any, data: Any) -> Any:
         """The SDK's object of type ``kind`` for ``data``, built as the SDK builds it."""
         if self._construct is not None:
+            members = self._members(kind) if isinstance(data, dict) else None
+            if members is not None and data.get("type") in members:
+                kind = members[data["type"]]
             return self._construct(value=data, type_=kind)
         from pydantic import TypeAdapter  # an SDK without construct_type: validate
 
