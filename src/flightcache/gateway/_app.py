@@ -30,6 +30,7 @@ from starlette.routing import Route
 from .._cache import FlightCache
 from .._errors import BackendUnavailable, FlightError, StreamRestarted
 from .._protocol.streaming import FlightStream
+from .._types import UNSET
 from ..integrations._answers import (
     age_of,
     answer_of,
@@ -42,6 +43,7 @@ from ..integrations._answers import (
 from ._config import GatewayConfig
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
 from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
+from ._tracing import Tracing
 from ._upstream import Upstream, UpstreamError, describe_error, openai_error
 from ._wire import anthropic_body, error_response
 
@@ -411,6 +413,7 @@ def make_app(
     max_connections: int = 256,
     max_body_bytes: int = 32 * 1024 * 1024,
     max_value_bytes: int = 64 * 1024 * 1024,
+    tracer_provider: Any = UNSET,
 ) -> Starlette:
     """The gateway as a Starlette app; its lifespan opens and closes the cache and client.
 
@@ -424,7 +427,9 @@ def make_app(
     negative-cached. ``upstream_timeout``: seconds without a byte from the upstream before a
     call fails with 504; ``connect_timeout``, ``max_connections``: the upstream client's.
     ``max_body_bytes``: the largest request body (413 above). ``max_value_bytes``: the
-    largest answer the cache stores (a larger one fails with 502).
+    largest answer the cache stores (a larger one fails with 502). ``tracer_provider``:
+    the OpenTelemetry provider of the request spans (default: the global one; spans need
+    ``opentelemetry-api``, see ``_tracing``).
     """
     config = GatewayConfig(
         upstream=upstream,
@@ -455,7 +460,7 @@ def make_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(Accounting, metrics=metrics)],
+        middleware=[Middleware(Accounting, metrics=metrics, tracing=Tracing(tracer_provider))],
         lifespan=gateway.lifespan,
         exception_handlers={Exception: _internal_error},
     )

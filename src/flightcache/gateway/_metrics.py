@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._requestkey import ROUTES
+from ._tracing import RequestSpan, Tracing
 
 __all__ = ["CONTENT_TYPE_LATEST", "Accounting", "GatewayMetrics"]
 
@@ -168,9 +169,12 @@ def route_label(method: str, path: str) -> str:
 class Accounting:
     """ASGI middleware: counts and times every response except ``/metrics`` and ``/healthz``."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: GatewayMetrics, tracing: Tracing | None = None
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracing = tracing or Tracing(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in ("/metrics", "/healthz"):
@@ -180,10 +184,13 @@ class Accounting:
         route = route_label(scope["method"], scope["path"])
         started = time.perf_counter()
         seen: dict[str, Any] = {"status": 0, "cache": "NONE", "first": False}
+        span: RequestSpan | None = None
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 seen["status"] = message["status"]
+                if span is not None:
+                    span.response(message["status"], message.get("headers", ()))
                 for name, value in message.get("headers", ()):
                     if name.lower() == b"x-cache" and value in _OUTCOMES:
                         seen["cache"] = value.decode()  # not an upstream's own X-Cache
@@ -196,7 +203,8 @@ class Accounting:
 
         metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, counting_send)
+            with self.tracing.request(scope, None if route == "other" else route) as span:
+                await self.app(scope, receive, counting_send)
         finally:
             metrics.in_flight.dec()
             cache = seen["cache"]
