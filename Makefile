@@ -31,6 +31,11 @@ SOAK_ARGS ?=
 soak: $(STAMP)
 	$(BIN)/python -m soak $(SOAK_ARGS)
 
+# The protocol's model check (model/, docs/protocol.md "The model check"): every scope,
+# the larger ones too, with states explored, time and each invariant's result.
+model:
+	$(PY) -m model --large
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples

@@ -1,0 +1,89 @@
+"""``python -m model``: check the protocol model over its scopes.
+
+Without arguments, the small scopes (the test suite's); ``--large`` adds the larger ones
+(``make model``). ``--mutant NAME`` checks one mutant in the scope that catches it and
+prints its counterexample; ``--known-issue NAME`` models the code as it is where the model
+found a bug, and prints that trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .check import INVARIANTS, LIVENESS, Result, check
+from .model import KNOWN_ISSUES, MUTANTS, Model
+from .scopes import ALL, KNOWN_ISSUE_SCOPES, LARGE, MUTANT_SCOPES, SMALL
+from .scopes import LIVENESS as LIVE_SCOPES
+
+
+def report(res: Result, *, verbose: bool = True) -> None:
+    what = f"{res.scope}" + (f" [mutant {res.mutant}]" if res.mutant else "")
+    limit = "" if res.complete else " (state limit reached: NOT exhaustive)"
+    print(
+        f"{what}: {res.states:,} states, {res.transitions:,} transitions, depth "
+        f"{res.depth}, {res.seconds:.1f} s{limit}"
+    )
+    if res.violation:
+        print(f"  VIOLATED {res.violation}")
+        print(f"  shortest trace ({len(res.trace)} steps):")
+        for i, step in enumerate(res.trace, 1):
+            print(f"    {i:2}. {step}")
+    elif verbose:
+        for name in INVARIANTS:
+            print(f"  holds  {name}")
+    for name, verdict in res.liveness.items():
+        print(f"  {'holds ' if verdict == 'holds' else 'FAILS '} {name} ({verdict})")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model", description=__doc__)
+    parser.add_argument("--mutant", choices=sorted(MUTANTS), help="remove one safeguard")
+    parser.add_argument("--known-issue", choices=sorted(KNOWN_ISSUES), help="the code as is")
+    parser.add_argument("--scope", choices=sorted(ALL), action="append", help="run only these")
+    parser.add_argument("--large", action="store_true", help="also the larger scopes")
+    parser.add_argument("--max-states", type=int, default=0, help="stop after this many")
+    parser.add_argument("--list", action="store_true", help="list scopes and invariants")
+    args = parser.parse_args(argv)
+    if args.list:
+        for scope in ALL.values():
+            print(f"{scope.name}: {scope.doc}\n    {scope.describe()}")
+        for name, text in {**INVARIANTS, **LIVENESS}.items():
+            print(f"{name}: {text}")
+        for name, text in MUTANTS.items():
+            print(f"mutant {name} (scope {MUTANT_SCOPES[name]}): {text}")
+        return 0
+    if args.mutant or args.known_issue:
+        name = args.mutant or args.known_issue
+        scope_name = (args.scope or [(MUTANT_SCOPES | KNOWN_ISSUE_SCOPES)[name]])[0]
+        known = frozenset({args.known_issue}) if args.known_issue else frozenset()
+        scope = ALL[scope_name]
+        res = check(
+            Model(scope, args.mutant or "", known),
+            max_states=args.max_states,
+            liveness=not scope.symmetry,
+        )
+        report(res, verbose=False)
+        if res.ok:
+            print("  no counterexample found: the checker missed this mutant")
+            return 1
+        return 0
+    if args.scope:
+        scopes = [ALL[n] for n in args.scope]
+    else:
+        scopes = [*SMALL, *LIVE_SCOPES, *(LARGE if args.large else ())]
+    failed = False
+    for scope in scopes:
+        res = check(
+            Model(scope),
+            max_states=args.max_states,
+            liveness=not scope.symmetry,
+        )
+        report(res)
+        failed |= not res.ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The environment: time, each node's own background steps, and faults.
+
+Time advances one tick at a time for everybody; a server key whose TTL reaches 0 is gone
+at that tick, and a local deadline at 0 has passed. A paused process's clock keeps counting
+(Linux CLOCK_MONOTONIC under SIGSTOP), so its timers run down too. A process's clock may be
+off real time by at most ``scope.drift`` ticks over the run (``drift`` steps): its local
+timers then end one tick later or earlier. Faults are bounded by the scope's budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from .state import MISSING, Proc, Server, World
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .procs import Step
+
+LOCAL_TIMER_PHASES = ("run", "follow", "list", "publish", "await")
+
+
+def _tick_server(server: Server, liveness: bool = True) -> Server:
+    meta = server.meta
+    if meta:
+        left = meta[0].ttl - 1
+        meta = (meta[0]._replace(ttl=left),) if left > 0 else ()  # the lease lapses
+    marker = server.marker
+    if marker:
+        marker = (marker[0], marker[1] - 1) if marker[1] > 1 else ()
+    nodes = tuple(max(0, n - 1) for n in server.nodes) if liveness else server.nodes
+    return server._replace(meta=meta, marker=marker, nodes=nodes)
+
+
+def _shift(proc: Proc, d: int, liveness: bool = True) -> Proc:
+    """Every running local timer of ``proc`` moves by ``d`` ticks (floored at 0)."""
+    changes = {}
+    if proc.pc in LOCAL_TIMER_PHASES:
+        changes["timer"] = max(0, proc.timer + d)
+    if proc.near:
+        left = proc.near[1] + d
+        changes["near"] = (proc.near[0], left) if left > 0 else ()
+    if proc.reply:
+        changes["reply"] = (proc.reply[0], max(0, proc.reply[1] + d), proc.reply[2])
+    if proc.pc == "follow" and proc.wait:
+        changes["wait"] = max(0, proc.wait + d)
+    if proc.live and liveness:
+        changes["live"] = max(0, proc.live + d)
+    if proc.beat:
+        changes["beat"] = max(0, proc.beat + d)
+    return proc._replace(**changes) if changes else proc
+
+
+def _drift(proc: Proc, d: int) -> Proc:
+    """The process's clock is off by ``d`` ticks over the interval it measures now: its
+    near-cache lease, or its invalidation's wait (what the skew margins cover)."""
+    changes = {}
+    if proc.pc in ("list", "publish", "await"):
+        changes["timer"] = max(0, proc.timer + d)
+    if proc.near:
+        left = proc.near[1] + d
+        changes["near"] = (proc.near[0], left) if left > 0 else ()
+    return proc._replace(**changes)
+
+
+def tick(m: Model, world: World) -> World:
+    procs = tuple(_shift(p, -1, m.scope.liveness) if p.alive else p for p in world.procs)
+    undo = tuple(_tick_server(s, m.scope.liveness) for s in world.undo)
+    return world._replace(
+        server=_tick_server(world.server, m.scope.liveness), procs=procs, undo=undo
+    )
+
+
+def _lost_listener(proc: Proc) -> Proc:
+    """The listener lost its connection: what was in transit is gone; the waiter re-reads
+    its stream, the near cache is cleared, reads under way are not leased."""
+    busy = proc.pc != "idle"
+    return proc._replace(sub=False, mail=(), inbox=(), gap=busy, near=(), heard=busy)
+
+
+def node_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
+    """The node's background tasks: hearing invalidations, liveness renewals, the listener
+    reconnecting."""
+    if proc.inbox:  # nodes.py _heard: drop the copy, count it, acknowledge (unless ours)
+        (inval, sender), rest = proc.inbox[0], proc.inbox[1:]
+        nxt = proc._replace(inbox=rest, near=(), heard=proc.pc != "idle")
+        server = world.server
+        if sender != pid:
+            server = server._replace(acks=tuple(sorted({*server.acks, (inval, pid)})))
+        procs = list(world.procs)
+        procs[pid] = nxt
+        w = world._replace(procs=tuple(procs), server=server)
+        yield f"p{pid} hears invalidation {inval}, drops its copy, acks", (pid, "hear"), w, ()
+    if (
+        m.scope.near and m.scope.liveness and proc.beat == 0
+    ):  # SET node key PX node_ttl (GET; SADD when gone)
+        nodes = list(world.server.nodes)
+        nodes[pid] = m.t.node_ttl
+        nxt = proc._replace(live=m.t.node_ttl, beat=m.t.node_renew)
+        procs = list(world.procs)
+        procs[pid] = nxt
+        server = world.server._replace(nodes=tuple(nodes))
+        w = world._replace(procs=tuple(procs), server=server)
+        yield f"p{pid} renews its liveness", (pid, "beat"), w, ()
+    if not proc.sub:  # reconnect and subscribe again: clear the near cache again
+        busy = proc.pc != "idle"
+        nxt = proc._replace(sub=True, gap=busy, near=(), heard=busy)
+        procs = list(world.procs)
+        procs[pid] = nxt
+        yield (
+            f"p{pid} listener subscribed again",
+            (pid, "resub"),
+            world._replace(procs=tuple(procs)),
+            (),
+        )
+
+
+def faults(m: Model, world: World) -> Iterator[Step]:
+    b = world.budget
+    scope = m.scope
+    for pid, proc in enumerate(world.procs):
+        if not proc.alive:
+            continue
+        if b.crash and _active(m, pid, proc):
+            yield _with(
+                world,
+                pid,
+                proc._replace(alive=False, paused=False),
+                b._replace(crash=b.crash - 1),
+                f"p{pid} crashes",
+            )
+        if proc.paused:
+            yield _with(
+                world, pid, proc._replace(paused=False), b, f"p{pid} resumes", fair=(pid, "resume")
+            )
+        elif b.pause and _active(m, pid, proc):
+            yield _with(
+                world,
+                pid,
+                proc._replace(paused=True),
+                b._replace(pause=b.pause - 1),
+                f"p{pid} pauses",
+            )
+        if b.lose and proc.mail:
+            yield _with(
+                world,
+                pid,
+                proc._replace(mail=proc.mail[1:]),
+                b._replace(lose=b.lose - 1),
+                f"a wake message to p{pid} is lost",
+            )
+        if b.lose and proc.inbox:
+            yield _with(
+                world,
+                pid,
+                proc._replace(inbox=proc.inbox[1:]),
+                b._replace(lose=b.lose - 1),
+                f"an invalidation message to p{pid} is lost",
+            )
+        if b.drop and proc.sub:
+            yield _with(
+                world,
+                pid,
+                _lost_listener(proc),
+                b._replace(drop=b.drop - 1),
+                f"p{pid}'s listener loses its connection",
+            )
+        timed = proc.near or proc.pc in ("list", "publish", "await")
+        if scope.drift and proc.drift == 0 and timed:  # once per run, on a lease or a wait
+            for d in (scope.drift, -scope.drift):
+                nxt = _drift(proc, d)._replace(drift=d)
+                how = "slow" if d > 0 else "fast"
+                yield _with(world, pid, nxt, b, f"p{pid}'s clock runs {how} by {abs(d)} tick")
+        if b.close and proc.pc == "run" and not proc.paused:
+            yield _close(world, pid, proc)
+    if b.restart:
+        empty = Server(
+            MISSING, (), (), (), (), (0,) * len(world.server.nodes), (), world.server.next_id
+        )
+        yield _server_fault(
+            world, empty, b._replace(restart=b.restart - 1), "the server restarts empty"
+        )
+    if b.failover and world.undo:
+        replica = world.undo[0]._replace(next_id=world.server.next_id)
+        yield _server_fault(
+            world,
+            replica,
+            b._replace(failover=b.failover - 1),
+            "failover to a replica that missed the last write",
+        )
+    if scope.linger and world.server.stream:
+        s = world.server
+        keep = tuple(e for e in s.stream if s.meta and e.id >= s.meta[0].claim)
+        if keep != s.stream:
+            w = world._replace(server=s._replace(stream=keep))
+            yield "the stream's ended flights lapse (linger, XTRIM)", None, w, ()
+
+
+def _active(m: Model, pid: int, proc: Proc) -> bool:
+    """A fault is worth trying only on a process that has something left to do."""
+    return proc.pc != "idle" or proc.op < len(m.scope.ops[pid]) or bool(proc.near)
+
+
+def _with(world: World, pid: int, proc: Proc, budget, label: str, fair=None) -> Step:
+    procs = list(world.procs)
+    procs[pid] = proc
+    return label, fair, world._replace(procs=tuple(procs), budget=budget), ()
+
+
+def _close(world: World, pid: int, proc: Proc) -> Step:
+    """The owner's cache is closed: the loader is cancelled and the flight given back
+    (fail_flight reset); the process is gone."""
+    from . import scripts
+    from .procs import _put
+
+    server, _code, wake = scripts.fail_flight(world.server, proc.token, "reset")
+    w = _put(world, pid, proc._replace(alive=False, pc="idle"), server, wake=wake)
+    w = w._replace(budget=w.budget._replace(close=w.budget.close - 1))
+    return f"p{pid} is closed and gives its flight back (reset)", None, w, ()
+
+
+def _server_fault(world: World, server: Server, budget, label: str) -> Step:
+    procs = tuple(_lost_listener(p) if p.alive else p for p in world.procs)
+    ghost = world.ghost._replace(server_fault=True)
+    return label, None, World(server, procs, ghost, budget, ()), ()

@@ -1,0 +1,192 @@
+"""A scope (how many processes doing what, which faults, how fine the ticks) and the model
+built from it: the initial state, every successor of a state, and the canonical form of a
+state under the symmetry of interchangeable processes."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from . import env, procs
+from .constants import Timing
+from .state import INITIAL, MISSING, Budget, Ghost, Proc, Server, World
+
+MUTANTS = {
+    "no-token-check": "complete_flight stores without checking the owner's token",
+    "no-cancel": "a refused renewal does not cancel the loader",
+    "no-skew": "read leases are not shortened by the skew margin",
+    "no-marker": "replace_result does not set the invalidation marker",
+    "no-since": "join_flight ignores the caller's stream position",
+    "no-recheck": "a follower whose wait runs out never re-checks the flight (liveness)",
+}
+
+LAZY = ("start", "loader")  # steps that may wait any number of ticks
+
+KNOWN_ISSUES = {
+    "late-liveness": (
+        "near.py Leaser.grant bounds a lease by the node's liveness as of the reply, not as "
+        "of the request: a node whose liveness had lapsed, and that an invalidation's live "
+        "set therefore left out, renews before the reply arrives and leases the old value"
+    ),
+    "news-drop": (
+        "follower.py _news: when a later wake message is out of step, the entries that "
+        "earlier messages of the same batch gave are dropped and the stream is read after "
+        "them, so a takeover's 'claimed' entry can be skipped (a stream follower then keeps "
+        "the dead owner's chunks)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Scope:
+    name: str
+    ops: tuple[tuple[str, ...], ...]  # each process's operations, in order
+    tick_s: float = 1.0
+    near: bool = False  # nodes keep near caches (read leases, liveness, invalidations)
+    token_in_join: bool = True  # one server; False: a Cluster (INCR + confirm_claim)
+    initial: bool = False  # a value is stored when the run begins
+    outcomes: tuple[str, ...] = ("ok", "err")  # what a loader may end with
+    budget: Budget = field(default_factory=Budget)
+    drift: int = 0  # how many ticks a process's clock may be off, over the run
+    linger: bool = True  # a finished flight's stream entries may lapse
+    symmetry: bool = True  # processes with the same operations are interchangeable
+    flights: int = 3  # at most this many claims in a run (paths past it are not explored)
+    liveness: bool = True  # near scopes: nodes renew liveness leases (False: always live,
+    # for scopes with no pause or crash, where no node can drop out of the live set)
+    doc: str = ""
+
+    @property
+    def processes(self) -> int:
+        return len(self.ops)
+
+    def describe(self) -> str:
+        ops = "; ".join(f"p{i}: {', '.join(o)}" for i, o in enumerate(self.ops))
+        faults = ", ".join(f"{k} {v}" for k, v in self.budget._asdict().items() if v)
+        extra = [f"tick {self.tick_s:g} s", f"at most {self.flights} flights"]
+        if self.drift:
+            extra.append(f"clock drift {self.drift} tick")
+        if not self.token_in_join:
+            extra.append("Cluster claims (INCR + confirm_claim)")
+        if self.initial:
+            extra.append("a value stored at the start")
+        return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"
+
+
+class Model:
+    def __init__(self, scope: Scope, mutant: str = "", known: frozenset[str] = frozenset()):
+        if mutant and mutant not in MUTANTS:
+            raise ValueError(f"unknown mutant {mutant!r}")
+        self.scope = scope
+        self.mutant = mutant
+        self.known = known
+        self.t = Timing.of(scope.tick_s, leases_for_readers=scope.near)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for pid, ops in enumerate(scope.ops):
+            groups.setdefault(ops, []).append(pid)
+        self._perms = self._permutations(list(groups.values())) if scope.symmetry else []
+
+    def initial(self) -> World:
+        n = self.scope.processes
+        t = self.t
+        near = self.scope.near
+        server = Server(
+            result=INITIAL if self.scope.initial else MISSING,
+            meta=(),
+            stream=(),
+            waiters=(),
+            marker=(),
+            nodes=(t.node_ttl,) * n if near else (),
+            acks=(),
+            next_id=1,
+        )
+        proc = Proc()
+        if near:
+            proc = Proc(live=t.node_ttl, beat=t.node_renew if self.scope.liveness else 0)
+        ghost = Ghost(ever_stored=frozenset({INITIAL}) if self.scope.initial else frozenset())
+        return World(server, (proc,) * n, ghost, self.scope.budget, ())
+
+    def successors(self, world: World) -> Iterator[procs.Step]:
+        """Every step from ``world``. Time is prompt for running processes (maximal
+        progress): a tick comes only when no live, running process has a step to take
+        other than starting an operation or ending its loader, which take any time. A
+        process slower than that is a paused one (a fault)."""
+        urgent = False
+        for pid, proc in enumerate(world.procs):
+            if not proc.alive or proc.paused:
+                continue
+            if proc.pc == "idle":
+                if proc.op < len(self.scope.ops[pid]):
+                    yield from procs.start(self, world, pid, proc)
+                steps: Iterator[procs.Step] = iter(())
+            elif proc.pc in ("list", "publish", "await"):
+                steps = procs.inval_steps(self, world, pid, proc)
+            else:
+                steps = procs.do_steps(self, world, pid, proc)
+            for step in itertools.chain(steps, env.node_steps(self, world, pid, proc)):
+                urgent = urgent or step[1][1] not in LAZY
+                yield step
+        yield from env.faults(self, world)
+        if not urgent:
+            yield "tick", ("tick",), env.tick(self, world), ()
+
+    def pending(self, world: World, pid: int) -> bool:
+        """Process ``pid`` has an operation not yet returned (and is not dead)."""
+        proc = world.procs[pid]
+        return proc.alive and (proc.pc != "idle" or proc.op < len(self.scope.ops[pid]))
+
+    # -- symmetry ------------------------------------------------------------------------
+
+    @staticmethod
+    def _permutations(groups: list[list[int]]) -> list[tuple[int, ...]]:
+        """Every renaming of pids that only swaps processes with the same operations."""
+        n = sum(len(g) for g in groups)
+        perms = []
+        for choice in itertools.product(*(itertools.permutations(g) for g in groups)):
+            perm = [0] * n
+            for group, image in zip(groups, choice, strict=True):
+                for src, dst in zip(group, image, strict=True):
+                    perm[src] = dst
+            if perm != list(range(n)):
+                perms.append(tuple(perm))
+        return perms
+
+    def canon(self, world: World) -> World:
+        """The least of the state's renamings (sound: every invariant is symmetric in the
+        processes, and renamed processes run the same operations)."""
+        best = world
+        for perm in self._perms:
+            other = _rename(world, perm)
+            if other < best:
+                best = other
+        return best
+
+
+def _rename_server(s: Server, perm: tuple[int, ...]) -> Server:
+    meta = tuple(m._replace(owner=perm[m.owner]) for m in s.meta)
+    nodes = s.nodes
+    if nodes:
+        renamed = [0] * len(nodes)
+        for i, left in enumerate(nodes):
+            renamed[perm[i]] = left
+        nodes = tuple(renamed)
+    acks = tuple(sorted((i, perm[q]) for i, q in s.acks))
+    return s._replace(meta=meta, waiters=tuple(perm[w] for w in s.waiters), nodes=nodes, acks=acks)
+
+
+def _rename(world: World, perm: tuple[int, ...]) -> World:
+    """``world`` with process ``i`` renamed ``perm[i]`` everywhere a pid appears."""
+    server = _rename_server(world.server, perm)
+    undo = tuple(_rename_server(s, perm) for s in world.undo)
+    old = world.procs
+    new: list[Proc] = [old[0]] * len(old)
+    for i, proc in enumerate(old):
+        inbox = tuple((inval, perm[sender]) for inval, sender in proc.inbox)
+        inv = proc.inv
+        if inv:
+            inv = (inv[0], tuple(sorted(perm[q] for q in inv[1])), *inv[2:])
+        new[perm[i]] = proc._replace(inbox=inbox, inv=inv)
+    # Invalidation ids name their invalidator ((pid + 1) * 100 + op); they are compared for
+    # equality only, so they are left as they are: two renamings that differ only there
+    # stay apart (the reduction is smaller, never unsound).
+    return world._replace(server=server, procs=tuple(new), undo=undo)

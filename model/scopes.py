@@ -1,0 +1,134 @@
+"""The scopes the checker runs: small ones for the test suite, larger ones for
+``make model``, and where each mutant is caught."""
+
+from __future__ import annotations
+
+from .model import Scope
+from .state import Budget
+
+QUARTER = 0.25  # the tick of scopes with read leases: skew_margin, in which every
+# lease-related duration is a whole number of ticks (lease 12, near_lease 20, node_ttl 24)
+
+SMALL = (
+    Scope(
+        "flights-2",
+        (("do",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="two callers of one key: a crash, a pause and a lost wake message",
+    ),
+    Scope(
+        "cluster-2",
+        (("do",), ("do",)),
+        token_in_join=False,
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="the same on a Cluster: claims take the token with INCR and confirm_claim",
+    ),
+    Scope(
+        "leases-drift",
+        (("get", "get"), ("invalidate",)),
+        tick_s=QUARTER,
+        near=True,
+        initial=True,
+        drift=1,
+        budget=Budget(lose=1),
+        doc="a holder reads twice while another node invalidates; each clock may measure "
+        "its lease or its wait one skew margin long or short; a lost invalidation message",
+    ),
+    Scope(
+        "leases-pause",
+        (("get", "get"), ("invalidate",)),
+        tick_s=QUARTER,
+        near=True,
+        initial=True,
+        budget=Budget(pause=1),
+        doc="a holder that pauses past its liveness lease, then reads while another node "
+        "invalidates",
+    ),
+    Scope(
+        "leases-3",
+        (("get", "get"), ("invalidate",), ("invalidate",)),
+        tick_s=QUARTER,
+        near=True,
+        initial=True,
+        liveness=False,
+        budget=Budget(lose=1),
+        doc="two invalidations of one key under way at once, a holder that misses one "
+        "(no pause or crash: every node stays live)",
+    ),
+)
+
+LIVENESS = (
+    Scope(
+        "live-2",
+        (("do",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,
+        doc="every call returns, and a dead owner's flight is taken over, under fairness",
+    ),
+)
+
+LARGE = (
+    Scope(
+        "flights-3",
+        (("do",), ("do",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1, close=1),
+        doc="three callers: a crash, a pause, a lost message and a closed owner",
+    ),
+    Scope(
+        "flights-2-server",
+        (("do",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1, drop=1, restart=1, failover=1, close=1),
+        doc="two callers through a server restart, a failover that loses a write, a lost "
+        "listener connection and a closed owner",
+    ),
+    Scope(
+        "cluster-3",
+        (("do",), ("do",), ("do",)),
+        token_in_join=False,
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="three callers on a Cluster",
+    ),
+    Scope(
+        "leases-flight",
+        (("do", "do"), ("set",)),
+        tick_s=QUARTER,
+        near=True,
+        drift=1,
+        budget=Budget(pause=1, lose=1),
+        doc="a caller whose flight runs while another node sets the key; drifting clocks",
+    ),
+    Scope(
+        "leases-3-drift",
+        (("get", "get"), ("invalidate",), ("set",)),
+        tick_s=QUARTER,
+        near=True,
+        initial=True,
+        drift=1,
+        budget=Budget(pause=1, lose=1, drop=1),
+        doc="a holder, an invalidation and a set at once; a pause, a lost message, a lost "
+        "listener connection; clocks off by a margin",
+    ),
+)
+
+# Where each mutant is caught (the unmodified model passes the same scope).
+MUTANT_SCOPES = {
+    "no-token-check": "flights-2",
+    "no-cancel": "flights-2",
+    "no-since": "flights-2",
+    "no-skew": "leases-drift",
+    "no-marker": "leases-3",
+    "no-recheck": "live-2",
+}
+
+KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-3", "late-liveness": "leases-pause"}
+
+EXTRA = (
+    Scope(
+        "news-drop-3",
+        (("do",), ("do",), ("do",)),
+        budget=Budget(pause=1, lose=1, close=2),
+        doc="a follower that takes two wake messages at once, the one between them lost",
+    ),
+)
+
+ALL = {s.name: s for s in (*SMALL, *LIVENESS, *LARGE, *EXTRA)}

@@ -1,0 +1,149 @@
+"""Each Lua script as one atomic step on a ``Server`` (src/flightcache/_protocol/lua,
+src/flightcache/_leases/lua), with the mutants that remove one safeguard each.
+
+A script returns the new server, its reply, and the wake messages it published: one per
+distinct node in waiters, ``(pid, (prev, entries))`` as ``_wake.lua`` builds them.
+"""
+
+from __future__ import annotations
+
+from .state import MISSING, Entry, Meta, Server
+
+Wake = tuple[tuple[int, tuple[int, tuple[Entry, ...]]], ...]
+
+
+def _wake(server: Server, waiters: tuple[int, ...], entries: tuple[Entry, ...]) -> Wake:
+    """_wake.lua: prev is the newest entry before the first XADD (``server`` is the state
+    before the append)."""
+    prev = server.stream[-1].id if server.stream else 0
+    return tuple((pid, (prev, entries)) for pid in dict.fromkeys(waiters))
+
+
+def _append(server: Server, entry_t: str, tok: int, v: int = 0, stored: bool = False) -> Entry:
+    return Entry(server.next_id, entry_t, tok, v, stored)
+
+
+def join_flight(
+    server: Server, pid: int, mode: str, since: int, lease: int, token_in_join: bool, mutant: str
+) -> tuple[Server, tuple, Wake]:
+    """join_flight.lua (no refresh, no driver retries: a claim id is never sent twice)."""
+    if server.result != MISSING:
+        return server, ("hit", server.result, bool(server.marker)), ()
+    if since and mutant != "no-since":
+        crossed = 0
+        for e in server.stream:
+            if e.id <= since:
+                continue
+            if e.t == "claimed":
+                crossed = e.id
+            elif e.t in ("done", "error"):
+                return server, ("ended", e.t, e.v, crossed), ()
+    rank = server.waiters.index(pid) if pid in server.waiters else -1
+    if server.meta:
+        meta = server.meta[0]
+        waiters = server.waiters
+        if rank < 0:
+            rank = len(waiters)
+            waiters = (*waiters, pid)
+        return (
+            server._replace(waiters=waiters),
+            ("follow", meta.token, meta.ttl, rank, meta.claim),
+            (),
+        )
+    if mode == "first" and rank != 0:
+        return server, ("vacant", rank), ()
+    entry = _append(server, "claimed", server.next_id)
+    waiters = tuple(w for w in server.waiters if w != pid)
+    wake = _wake(server, waiters, (entry,))
+    token = entry.id if token_in_join else 0
+    meta = Meta(token, entry.id, lease, False, pid)
+    server = server._replace(
+        meta=(meta,),
+        waiters=waiters,
+        stream=(*server.stream, entry),
+        next_id=server.next_id + 1,
+    )
+    return server, ("claimed", entry.id, token), wake
+
+
+def confirm_claim(server: Server, claim: int, lease: int) -> tuple[Server, bool]:
+    """INCR owner-seq then confirm_claim.lua: the token is unique (the claim's own id)."""
+    if not server.meta or server.meta[0].claim != claim or server.meta[0].token:
+        return server, False
+    meta = server.meta[0]._replace(token=claim, ttl=lease)
+    return server._replace(meta=(meta,)), True
+
+
+def renew_leases(server: Server, token: int, lease: int) -> tuple[Server, bool]:
+    if not server.meta or server.meta[0].token != token:
+        return server, False
+    return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
+
+
+def _fenced(server: Server, token: int) -> bool:
+    return not server.meta or server.meta[0].token != token
+
+
+def complete_flight(
+    server: Server, token: int, value: int, mutant: str
+) -> tuple[Server, int, Wake]:
+    """1 stored, 2 delivered but not stored (an invalidation marked the flight), 0 fenced."""
+    if mutant != "no-token-check" and _fenced(server, token):
+        return server, 0, ()
+    marked = bool(server.meta) and server.meta[0].invalidated
+    stored = not marked
+    entry = _append(server, "done", token, value, stored)
+    wake = _wake(server, server.waiters, (entry,))
+    server = server._replace(
+        result=value if stored else server.result,
+        stream=(*server.stream, entry),
+        next_id=server.next_id + 1,
+        meta=(),
+        waiters=(),
+    )
+    return server, (1 if stored else 2), wake
+
+
+def fail_flight(server: Server, token: int, kind: str) -> tuple[Server, int, Wake]:
+    """An error (not negative-cached: the loader timed out, or its error TTL is 0) or a
+    reset (the owner gives the flight back); waiters stay after a reset."""
+    if _fenced(server, token):
+        return server, 0, ()
+    entry = _append(server, kind, token)
+    wake = _wake(server, server.waiters, (entry,))
+    server = server._replace(
+        stream=(*server.stream, entry),
+        next_id=server.next_id + 1,
+        meta=(),
+        waiters=() if kind == "error" else server.waiters,
+    )
+    return server, 1, wake
+
+
+def read_result(server: Server) -> tuple[int, bool]:
+    return server.result, bool(server.marker)
+
+
+def replace_result(
+    server: Server, inval: int, value: int, marker_ttl: int, mutant: str
+) -> tuple[Server, bool]:
+    """replace_result.lua: value MISSING deletes (invalidate), else sets (set)."""
+    busy = bool(server.marker)
+    marker = server.marker if mutant == "no-marker" else (inval, marker_ttl)
+    meta = server.meta
+    if meta:
+        meta = (meta[0]._replace(invalidated=True),)
+    existed = server.result != MISSING or busy
+    return server._replace(marker=marker, meta=meta, result=value), existed
+
+
+def end_replace(server: Server, inval: int) -> Server:
+    if server.marker and server.marker[0] == inval:
+        return server._replace(marker=())
+    return server
+
+
+def live_nodes(server: Server) -> frozenset[int]:
+    """live_nodes.lua: the nodes whose liveness key exists (the node set and its SADDs are
+    abstracted into the keys themselves: a renewing node is listed, see docs)."""
+    return frozenset(pid for pid, left in enumerate(server.nodes) if left > 0)

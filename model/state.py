@@ -1,0 +1,116 @@
+"""The model's state: one key's server-side keys, the processes, and ghost bookkeeping.
+
+Everything is a tuple of small ints and short strings, so a state hashes and compares as a
+whole (the checker keeps a set of them). Values are abstracted to ids: a loader's value is
+the id of the claim that ran it (its generation), a value given to ``set()`` is
+``SET_BASE + n``, and ``INITIAL`` is a value stored before the run began. Tokens are claim
+entry ids too: unique per claim (the code's 20 random low bits, assumed not to collide), and
+the scripts only ever compare them for equality. Stream entry ids count up with time and
+never go back, not even across a restart or a failover (they are the server's clock).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+INITIAL = 999  # a value some owner stored before the run began
+SET_BASE = 1000  # values given to set() are SET_BASE + 1, + 2, ...
+ERROR = -1  # what a caller returns when the flight's loader failed
+MISSING = 0  # no value (get() of an empty key)
+
+
+class Entry(NamedTuple):
+    """One stream entry. ``tok`` is the writer's token (the claim's own id for 'claimed');
+    ``v`` the value a 'done' carries (always inline: the model's values are small);
+    ``stored`` whether a 'done' stored it (the event's ``x``)."""
+
+    id: int
+    t: str  # 'claimed', 'done', 'error' or 'reset'
+    tok: int
+    v: int = 0
+    stored: bool = False
+
+
+class Meta(NamedTuple):
+    token: int  # 0 while CLAIMING (a Cluster claim not yet confirmed)
+    claim: int  # the claim id: its claimed entry's id (claimEntry)
+    ttl: int  # ticks left on the server's clock
+    invalidated: bool
+    owner: int  # pid (for symmetry renaming and traces only)
+
+
+class Server(NamedTuple):
+    result: int  # value id, or MISSING
+    meta: tuple[Meta, ...]  # () or (meta,)
+    stream: tuple[Entry, ...]
+    waiters: tuple[int, ...]  # pids, in join order
+    marker: tuple[int, int] | tuple[()]  # (invalidation id, ticks left) or ()
+    nodes: tuple[int, ...]  # per pid: ticks left on its liveness key (0: absent)
+    acks: tuple[tuple[int, int], ...]  # (invalidation id, pid) pushed to ack lists, sorted
+    next_id: int  # the next stream entry id (the server's time, never reset)
+
+
+class Proc(NamedTuple):
+    """One process: a FlightCache node running its list of operations one at a time."""
+
+    pc: str = "idle"  # the phase of its current operation
+    op: int = 0  # index of the current operation in its list
+    alive: bool = True
+    paused: bool = False
+    # -- a do() call --
+    mode: str = "always"  # the mode of its next join_flight
+    since: int = 0  # the position its next join sends (0: none)
+    cursor: int = 0  # a follower's last applied entry
+    gen: int = 0  # ghost: the flight (claim id) it took part in last; 0 none
+    token: int = 0  # an owner's token
+    claim: int = 0  # an owner's claim entry
+    timer: int = 0  # owner: next renewal due; follower: re-check; invalidator: deadline
+    outcome: int = 0  # owner: the loader's value (ERROR for an error)
+    refused: bool = False  # ghost: a renewal of its lease was refused
+    mail: tuple[tuple[int, tuple[Entry, ...]], ...] = ()  # wake messages (prev, entries)
+    gap: bool = False  # the waiter must re-read the stream (a message may be lost)
+    # -- near cache and node --
+    near: tuple[int, int] | tuple[()] = ()  # (value, lease ticks left)
+    live: int = 0  # ticks until its liveness lease may lapse, by its own clock
+    beat: int = 0  # ticks until its next liveness renewal
+    sub: bool = True  # its listener is subscribed
+    inbox: tuple[tuple[int, int], ...] = ()  # invalidation messages (id, sender pid)
+    acks: tuple[int, ...] = ()  # acknowledgements to push (invalidation ids)
+    heard: bool = False  # an invalidation was heard since its current call began
+    reply: tuple[int, int, bool] | tuple[()] = ()  # a read in flight: (value, ticks, leasable)
+    wait: int = 0  # a follower: lease ticks since its current wait began (a done's lease)
+    drift: int = 0  # how far its clock is off real time, in ticks
+    # -- an invalidate()/set() --
+    inv: tuple = ()  # (id, holders, trusted, superseded values, superseded below gen)
+
+
+class Ghost(NamedTuple):
+    """What the invariants need beyond the protocol's own state."""
+
+    produced: frozenset[int] = frozenset({INITIAL})  # values some owner or set() made
+    stored_gens: frozenset[int] = frozenset()  # flights that stored a result
+    ever_stored: frozenset[int] = frozenset({INITIAL})  # values the result key ever held
+    dead: frozenset[int] = frozenset()  # values an invalidation that returned replaced
+    dead_below: int = 0  # flights claimed before a returned invalidation: values stale
+    replaced_below: int = 0  # flights claimed before any replace_result so far
+    sets: int = 0  # set() calls so far
+    claims: int = 0  # flights claimed so far (the scope bounds them)
+    server_fault: bool = False  # a restart or failover happened (lease guarantees end)
+
+
+class Budget(NamedTuple):
+    crash: int = 0
+    pause: int = 0
+    lose: int = 0  # wake or invalidation messages lost without notice
+    drop: int = 0  # a listener's connection lost (noticed)
+    restart: int = 0  # the server restarts empty
+    failover: int = 0  # a replica that missed the last write takes over
+    close: int = 0  # an owner's cache is closed: it gives the flight back
+
+
+class World(NamedTuple):
+    server: Server
+    procs: tuple[Proc, ...]
+    ghost: Ghost
+    budget: Budget
+    undo: tuple[Server, ...]  # the replica: the server before its last write ((): in step)

@@ -1,0 +1,93 @@
+"""The protocol model (``model/``, docs/protocol.md "The model check"): its constants are the
+code's, the small scopes hold every invariant, and every mutant gives a counterexample.
+
+``make model`` runs the larger scopes; these are the ones that fit the suite's time.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from flightcache import FlightCache
+from flightcache._config import Tuning
+from model import constants
+from model.__main__ import main
+from model.check import INVARIANTS, check
+from model.model import KNOWN_ISSUES, MUTANTS, Model
+from model.scopes import ALL, KNOWN_ISSUE_SCOPES, LIVENESS, MUTANT_SCOPES, SMALL
+
+
+def test_the_models_constants_are_the_codes() -> None:
+    defaults = inspect.signature(FlightCache.__init__).parameters
+    assert constants.LEASE_S == defaults["lease"].default
+    assert constants.NEAR_LEASE_S == defaults["near_lease"].default
+    assert constants.SKEW_MARGIN_S == defaults["skew_margin"].default
+    assert constants.NODE_TTL_S == defaults["node_ttl"].default
+    tuning = Tuning()
+    assert constants.BLOCK_MARGIN_MS == tuning.block_margin_ms
+    assert constants.STREAM_LINGER_MS == tuning.stream_linger_ms
+    assert constants.TAKEOVER_STEP_S == tuning.takeover_step_s
+    assert constants.TAKEOVER_MAX_RANK == tuning.takeover_max_rank
+    # The periods the code derives: heartbeat.py (lease / 3) and nodes.py (node_ttl / 3).
+    assert constants.RENEW_EVERY_S == defaults["lease"].default / 3
+    assert constants.NODE_RENEW_EVERY_S == defaults["node_ttl"].default / 3
+
+
+def test_ticks_are_whole_and_refuse_a_tick_that_would_round_a_lease() -> None:
+    t = constants.Timing.of(0.25, leases_for_readers=True)
+    assert (t.lease, t.renew, t.near_lease, t.skew, t.node_ttl, t.node_renew) == (
+        12,
+        4,
+        20,
+        1,
+        24,
+        8,
+    )
+    assert t.margin == 1  # 50 ms rounded up to a tick: only ever later
+    with pytest.raises(ValueError, match="skew_margin"):
+        constants.Timing.of(0.5, leases_for_readers=True)
+
+
+@pytest.mark.parametrize("scope", [*SMALL, *LIVENESS], ids=lambda s: s.name)
+def test_the_protocol_holds_every_invariant_in_the_small_scopes(scope) -> None:
+    res = check(Model(scope), liveness=not scope.symmetry)
+    assert res.complete
+    assert not res.violation, "\n".join([res.violation, *res.trace])
+    assert res.ok, res.liveness
+    assert res.states > 1000  # the scope explored something
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
+def test_every_mutant_gives_a_counterexample(mutant: str) -> None:
+    scope = ALL[MUTANT_SCOPES[mutant]]
+    res = check(Model(scope, mutant), liveness=not scope.symmetry)
+    assert not res.ok, f"the checker missed mutant {mutant}"
+    if res.violation:
+        assert res.trace, "a violation comes with its trace"
+
+
+@pytest.mark.parametrize("issue", ["late-liveness"])
+def test_known_issues_reproduce_in_the_code_as_it_is(issue: str) -> None:
+    """The model with the code's behaviour where it found a bug (docs/protocol.md, "The
+    model check"); the default model has the fix, and holds."""
+    res = check(Model(ALL[KNOWN_ISSUE_SCOPES[issue]], known=frozenset({issue})))
+    assert res.violation.startswith("no_stale_near_copy"), res.violation
+    assert any("renews its liveness" in step for step in res.trace)
+
+
+def test_a_counterexample_prints_as_a_numbered_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--mutant", "no-marker"]) == 0
+    out = capsys.readouterr().out
+    assert "VIOLATED no_stale_near_copy" in out
+    assert "     1. p" in out and "returns" in out
+
+
+def test_help_lists_the_mutants_and_known_issues(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in (*MUTANTS, *KNOWN_ISSUES):
+        assert name in out
+    assert set(INVARIANTS) >= {"no_store_after_takeover", "no_stale_near_copy"}
