@@ -27,7 +27,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "flightcache"
 
 LAYERS: list[set[str]] = [
     {"gateway", "_cli", "__main__"},
-    {"__init__", "_cache", "_wiring", "_decorator", "_sync", "integrations"},
+    {"__init__", "_cache", "_engine", "_wiring", "_decorator", "_sync", "integrations"},
     {"_protocol", "_leases", "_protections"},
     {"_backends"},
     {"_errors", "_types", "_keys", "_codec", "_config"},
@@ -208,6 +208,6 @@ def test_the_graph_is_read_from_the_source(edges: list[Edge]) -> None:
     pairs = {(a, b) for a, b, _ in edges}
     assert ("flightcache", "flightcache._cache") in pairs
     assert ("flightcache._protocol.local", "flightcache._protocol.base") in pairs
-    assert ("flightcache._cache", "flightcache._protocol.local") in pairs
+    assert ("flightcache._engine", "flightcache._protocol.local") in pairs
     assert ("flightcache.gateway._app", "flightcache.gateway._wire") in pairs
     assert not any(b == "flightcache.gateway._mock" for a, b in pairs if a.endswith("_app"))
