@@ -27,7 +27,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "flightcache"
 
 LAYERS: list[set[str]] = [
     {"gateway", "_cli", "__main__"},
-    {"__init__", "_cache", "_engine", "_wiring", "_decorator", "_sync", "integrations"},
+    {
+        "__init__",
+        "_cache",
+        "_engine",
+        "_wiring",
+        "_decorator",
+        "_sync",
+        "_loopthread",
+        "integrations",
+    },
     {"_protocol", "_leases", "_protections"},
     {"_backends"},
     {"_errors", "_types", "_keys", "_codec", "_config"},
