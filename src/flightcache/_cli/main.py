@@ -278,7 +278,8 @@ def _add_mock_upstream(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _run_mock_upstream(args: argparse.Namespace) -> int:
     try:
-        from ..gateway._mock import BANNER, make_mock_app
+        from ..gateway._mock import make_mock_app
+        from ..gateway._mock_parts import BANNER
         from ..gateway._serve_util import serve
     except ImportError as exc:
         return _no_gateway_extra(args, exc)
