@@ -15,10 +15,10 @@ from typing import Any
 
 # The fence every owner write starts with: refuse unless the caller's token is meta's.
 FENCE = re.compile(
-    r"if redis\.call\('HGET', KEYS\[2\], 'ownerToken'\) ~= ARGV\[1\] then\s*return 0\s*end\s*"
+    r"if not owns\(KEYS\[2\], ARGV\[1\], ARGV\[11\] or ''\) then\s*return 0\s*end\s*"
 )
 # renew_leases checks the token of each flight in its loop instead.
-RENEW_FENCE = "if redis.call('HGET', meta, 'ownerToken') == ARGV[3 * i - 2] then"
+RENEW_FENCE = "if owns(meta, ARGV[4 * i - 3], ARGV[4 * i]) then"
 
 MUTANTS = {
     "skip-fence": "complete_flight writes without checking the owner's token",

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from flightcache import EmbeddedServer, FlightCache, RemoteError, Tuning
+from flightcache._protocol.flight import RedisFlights
 
 from .helpers.flights import wait_for_flight
 from .helpers.proxy import CuttableProxy
@@ -413,3 +414,54 @@ async def test_calls_after_the_server_closed_idle_connections_do_not_fail(
 
     assert await invalidator.do("j", loader) == "fresh"
     assert invalidator.stats["fail_open"] == 0
+
+
+async def test_a_cluster_owner_runs_its_loader_before_its_claim_is_confirmed(
+    cluster: Any, namespace: str
+) -> None:
+    """On a Cluster the token is taken after the join (INCR, in another slot); the loader
+    starts at once, and the owner's first fenced write confirms the claim when
+    confirm_claim, sent beside it, never arrives. A write carrying another claim's id is
+    refused: the lazy confirmation fences like the token does."""
+    from flightcache._protocol.state import LUA
+
+    fc = FlightCache(cluster.url, namespace=namespace, lease=1.0, near_cache=False)
+    follower = FlightCache(cluster.url, namespace=namespace, lease=1.0, near_cache=False)
+    flights = fc._flights
+    assert isinstance(flights, RedisFlights) and not flights.token_in_join
+    real = flights.conn.script
+
+    async def no_confirm(lua: Any, *args: Any) -> Any:
+        if lua is LUA["confirm_claim"]:
+            return 1  # as if sent; the server never sees it
+        return await real(lua, *args)
+
+    flights.conn.script = no_confirm  # type: ignore[method-assign]
+    gate = asyncio.Event()
+
+    async def loader() -> str:
+        await gate.wait()
+        return "confirmed by its writes"
+
+    try:
+        await fc.get("warm-up")
+        running = asyncio.ensure_future(fc.do("k", loader))
+        info = await wait_for_flight(follower, "k")  # a renewal (1 s lease) confirmed it
+        followed = asyncio.ensure_future(follower.do("k", loader))
+        await wait_for_flight(follower, "k", followers=1)
+        gate.set()
+        assert await running == await followed == "confirmed by its writes"
+        assert info.token is not None and fc.stats["fenced_writes"] == 0
+        fk = fc.keyspace.flight("stale")
+        conn = flights.conn
+        await conn.client.hset(fk.meta, mapping={"status": "CLAIMING", "claimId": "theirs"})
+        refused = await real(
+            LUA["complete_flight"],
+            fk,
+            (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost),
+            (7, b'j"x"', 60_000, "1", 1000, "", 5, "p:", fk.digest, 65536, "mine"),
+        )
+        assert refused == 0 and await conn.client.get(fk.result) is None
+    finally:
+        await fc.aclose()
+        await follower.aclose()

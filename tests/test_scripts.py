@@ -46,7 +46,7 @@ async def test_append_chunks_with_a_stale_token_is_refused_and_writes_nothing(
         LUA["append_chunks"],
         fk,
         (fk.meta, fk.stream, fk.waiters),
-        (6, 0, fc.keyspace.wake_prefix, fk.digest, 65536, b'"a chunk"'),
+        (6, 0, fc.keyspace.wake_prefix, fk.digest, 65536, "", b'"a chunk"'),
     )
     assert refused == 0
     assert await redis_client.exists(fk.stream) == 0  # no chunk event, no stream at all

@@ -248,7 +248,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                 return
             fk = self.fk
             ok = scripts["renew_leases"](
-                keys=[fk.meta, fk.stream, fk.waiters], args=[p.token, LEASE_MS, LINGER_MS]
+                keys=[fk.meta, fk.stream, fk.waiters], args=[p.token, LEASE_MS, LINGER_MS, ""]
             )
             if not int(ok[0]):  # give_up: the loader is cancelled; join again and follow
                 p.phase, p.mode, p.since = "join", "always", p.claim

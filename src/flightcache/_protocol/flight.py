@@ -77,6 +77,7 @@ class RedisFlights:
         self.follower = Follower(self)
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
+        self._confirms: set[asyncio.Task[Any]] = set()  # confirm_claim, sent beside loaders
         self._claim_prefix = secrets.token_hex(4) + "-"
         self._claims = 0
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
@@ -297,16 +298,16 @@ class RedisFlights:
                     # The lease runs out no later than its time left after the join was sent
                     # (a fresh claim: a whole lease; a claim found again: what it has left).
                     granted = state.sent + state.lease_left_ms / 1000 - opts.lease_ms / 1000
-                    confirmed: tuple[int, float] | None = (state.token, granted)
-                else:
-                    confirmed = await self._confirm(fk, opts, state.claim_id)
-                if confirmed is None:  # the claim lapsed before its token arrived
-                    state = await self._join(fk, opts, "always", refresh=opts.refresh, since=since)
-                    continue
+                    confirmed: tuple[int, float] = (state.token, granted)
+                    claim = ""
+                else:  # owner-seq is in another slot: the token, then the loader at once
+                    confirmed, claim = await self._take_token(fk, opts, state), state.claim_id
                 if takeover:
                     self.stats.takeovers += 1
                 try:
-                    return await self.owner.run(fk, job, opts, *confirmed, state.attempts or 1)
+                    return await self.owner.run(
+                        fk, job, opts, *confirmed, state.attempts or 1, claim
+                    )
                 except Lost:
                     state = None
                     takeover = False
@@ -420,21 +421,32 @@ class RedisFlights:
             )
         return static
 
-    async def _confirm(
-        self, fk: FlightKeys, opts: CallOptions, claim_id: str
-    ) -> tuple[int, float] | None:
-        """Take a fencing token (INCR owner-seq) and confirm the claim with it: the token and
-        the local time the confirmation was sent (the lease started later than that)."""
+    async def _take_token(
+        self, fk: FlightKeys, opts: CallOptions, state: State
+    ) -> tuple[int, float]:
+        """A fencing token for a claim the join made without one (INCR owner-seq, in another
+        slot): the token, and when the lease began (the join's send time, or earlier for a
+        claim found again). The loader starts at once: the claim is confirmed by
+        ``confirm_claim``, sent beside it, or by the owner's first fenced write, which
+        carries the claim id (``_fence.lua``), whichever the server sees first; if the
+        claim lapsed meanwhile, both are refused and the owner loses the flight."""
         seq = self.seq_conn
         counter = int(await seq.run(lambda: seq.client.incr(self.keyspace.owner_seq)))
         # The counter orders tokens; 20 random low bits keep them unique even if the counter
         # went backwards (a failover can lose recent INCRs: Redis replicates asynchronously).
         token = (counter << TOKEN_RANDOM_BITS) | secrets.randbits(TOKEN_RANDOM_BITS)
-        sent = self.clock()
-        confirmed = await self.conn.script(
-            LUA["confirm_claim"], fk, (fk.meta,), (claim_id, token, opts.lease_ms)
+        granted = state.sent + state.lease_left_ms / 1000 - opts.lease_ms / 1000
+        confirm = self.conn.script(
+            LUA["confirm_claim"], fk, (fk.meta,), (state.claim_id, token, opts.lease_ms)
         )
-        if int(confirmed) != 1:
-            return None
+        task = asyncio.ensure_future(confirm)
+        self._confirms.add(task)
+        task.add_done_callback(self._confirmed)
         log_claim.debug("flight %s: owner with token %d", fk.digest, token)
-        return token, sent
+        return token, granted
+
+    def _confirmed(self, task: asyncio.Task[Any]) -> None:
+        self._confirms.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The owner's fenced writes confirm the claim themselves (or are refused).
+            log_claim.info("confirm_claim failed: %r", task.exception())

@@ -81,6 +81,7 @@ class Owner:
         self._wake = (wake_prefix, tuning.inline_max_bytes)
         self.renewer = Renewer(self._renew_batch, clock)
         self._completes = Together(conn, LUA["complete_flight"])
+        self._claims: dict[int, str] = {}  # token -> its claim id, while it is owned here
 
     async def aclose(self) -> None:
         await self.renewer.aclose()
@@ -93,11 +94,16 @@ class Owner:
         token: int,
         granted_at: float,
         attempt: int = 1,
+        claim: str = "",
     ) -> bytes:
+        """Own the flight under ``token``; ``claim``: the claim id when the token was taken
+        after the join (a Cluster): the first fenced write confirms the claim with it."""
         self.stats.owning += 1
+        self._claims[token] = claim
         try:
             return await self._run(fk, job, opts, token, granted_at, attempt)
         finally:
+            self._claims.pop(token, None)
             self.stats.owning -= 1
 
     # -- writes through a failover --------------------------------------------------------
@@ -137,9 +143,9 @@ class Owner:
             keys: list[str] = []
             args: list[Any] = []
             for lease in batch:
-                fk, token, lease_ms, stream_ttl = lease.args
+                fk, token, lease_ms, stream_ttl, claim = lease.args
                 keys += (fk.meta, fk.stream, fk.waiters)
-                args += (token, lease_ms, stream_ttl)
+                args += (token, lease_ms, stream_ttl, claim)
             calls.append((keys, args))
         replies = await self.conn.pipeline_script(LUA["renew_leases"], calls)
         answers = {
@@ -164,6 +170,7 @@ class Owner:
         ran_from = self.clock()
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
         chunks = [0]
+        claim = self._claims.get(token, "")
         prefix, limit = self._wake
 
         async def append(first_seq: int, batch: Sequence[bytes]) -> None:
@@ -172,7 +179,7 @@ class Owner:
                     LUA["append_chunks"],
                     fk,
                     (fk.meta, fk.stream, fk.waiters),
-                    (token, first_seq, prefix, fk.digest, limit, *batch),
+                    (token, first_seq, prefix, fk.digest, limit, claim, *batch),
                 )
 
             try:
@@ -192,7 +199,7 @@ class Owner:
             lease_s=opts.lease_ms / 1000,
             digest=fk.digest,
             granted_at=granted_at,
-            args=(fk, token, opts.lease_ms, stream_ttl),
+            args=(fk, token, opts.lease_ms, stream_ttl, claim),
         )
         context.track(heartbeat)
         work.add_done_callback(lambda w: context.cancel() if w.cancelled() else None)
@@ -270,6 +277,7 @@ class Owner:
             prefix,
             fk.digest,
             limit,
+            self._claims.get(token, ""),
         )
 
         def send() -> Awaitable[Any]:
@@ -311,7 +319,18 @@ class Owner:
         self, fk: FlightKeys, token: int, kind: str, record: bytes | str, ttl_ms: int
     ) -> tuple[Any, ...]:
         prefix, limit = self._wake
-        return (token, kind, record, ttl_ms, self.tuning.stream_linger_ms, prefix, fk.digest, limit)
+        claim = self._claims.get(token, "")
+        return (
+            token,
+            kind,
+            record,
+            ttl_ms,
+            self.tuning.stream_linger_ms,
+            prefix,
+            fk.digest,
+            limit,
+            claim,
+        )
 
     async def _publish_error(
         self, fk: FlightKeys, token: int, exc: BaseException, ttl_ms: int

@@ -2,16 +2,17 @@
 -- KEYS[1] meta   KEYS[2] stream   KEYS[3] waiters
 -- ARGV[1] token   ARGV[2] sequence number of the first chunk
 -- ARGV[3] wake channel prefix   ARGV[4] digest   ARGV[5] wake message limit (bytes)
--- ARGV[6...] encoded chunks
+-- ARGV[6] claim id ('' where the join took the token itself)   ARGV[7...] encoded chunks
 -- Each chunk becomes one event {t=chunk, tok, s, v}, in order.
 -- Returns 1 appended, 0 fenced: the token is not the current owner's, nothing was written
 -- include: _wake.lua
-if redis.call('HGET', KEYS[1], 'ownerToken') ~= ARGV[1] then
+-- include: _fence.lua
+if not owns(KEYS[1], ARGV[1], ARGV[6]) then
   return 0
 end
 local w = wake_start(KEYS[3], KEYS[2])
 local seq = tonumber(ARGV[2])
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   local event = {'t', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i]}
   wake_add(w, redis.call('XADD', KEYS[2], '*', unpack(event)), event)
   seq = seq + 1

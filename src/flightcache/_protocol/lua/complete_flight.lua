@@ -10,12 +10,14 @@
 --         follower knows it saw every chunk
 -- ARGV[7] how long the loader ran, ms (kept beside the result for refresh-ahead)
 -- ARGV[8] wake channel prefix   ARGV[9] digest   ARGV[10] wake message limit (bytes)
+-- ARGV[11] claim id ('' where the join took the token itself)
 -- The done event carries `x` (the result's TTL ms) and `c` (ARGV[7]), or `nc` = 1 when
 -- the result was not stored.
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
 -- the token is not the current owner's, nothing was written
 -- include: _wake.lua
-if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
+-- include: _fence.lua
+if not owns(KEYS[2], ARGV[1], ARGV[11] or '') then
   return 0
 end
 local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidated') ~= '1'

@@ -4,9 +4,11 @@
 --         may claim at once)   ARGV[3] encoded error record ('' for reset)
 -- ARGV[4] negative-cache TTL ms (0: cache nothing; never over a stored value)   ARGV[5] stream linger ms
 -- ARGV[6] wake channel prefix   ARGV[7] digest   ARGV[8] wake message limit (bytes)
+-- ARGV[9] claim id ('' where the join took the token itself)
 -- Returns 1 published, 0 fenced: the token is not the current owner's, nothing was written
 -- include: _wake.lua
-if redis.call('HGET', KEYS[2], 'ownerToken') ~= ARGV[1] then
+-- include: _fence.lua
+if not owns(KEYS[2], ARGV[1], ARGV[9] or '') then
   return 0
 end
 if tonumber(ARGV[4]) > 0 then
