@@ -524,7 +524,7 @@ def test_a_near_cache_copy_never_outlives_its_nodes_liveness() -> None:
         live_until=lambda: 102.0,  # the live set lists this node until then
         clock=lambda: now[0],
     )
-    leaser.grant("d", b"jv", sent=100.0, ttl_left_ms=60_000, heard=0)
+    leaser.grant("d", b"jv", sent=100.0, ttl_left_ms=60_000, heard=leaser.heard())
     now[0] = 101.7
     assert near.get("d") == b"jv"
     now[0] = 101.8  # 102 - skew: past it, though the 5 s lease would run on

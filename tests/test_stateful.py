@@ -81,7 +81,7 @@ class Proc:
         self.token = 0
         self.claim = b""
         self.value: bytes | None = None  # the loader's result, once it returned
-        self.heard_at_start = self.heard
+        self.heard_at_start = self.leaser.heard()
         self.sent = 0.0
 
     def messages(self) -> list[tuple[bytes, list[Any]]]:
@@ -220,7 +220,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
             p = self.procs[i]
             if p.phase == "idle":
                 p.reset_call()
-                p.heard_at_start = p.heard
+                p.heard_at_start = p.leaser.heard()
                 data = p.near.get(self.fk.digest)
                 if data is not None:
                     assert data not in self.dead, f"p{i} served a copy an invalidation replaced"
@@ -370,7 +370,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                 assert data not in self.dead, f"p{i} served a copy an invalidation replaced"
                 return
             fk = self.fk
-            heard, sent = p.heard, self.clock()
+            heard, sent = p.leaser.heard(), self.clock()
             value, ttl, marked, _cost = scripts["read_result"](keys=[fk.result, fk.marker, fk.cost])
             if value:
                 assert value in self.produced
@@ -466,13 +466,6 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
         client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known issue late-liveness (docs/protocol.md, 'The model check'): Leaser.grant bounds "
-        "a lease by the node's liveness as of the reply, not as of the request"
-    ),
-)
 def test_a_lease_is_bounded_by_the_liveness_the_node_had_when_it_sent_the_read() -> None:
     """The model's counterexample, on the real Leaser: a node whose liveness lapsed (it was
     paused past node_ttl) sends a read; an invalidation deletes the value and reads the live
@@ -489,8 +482,8 @@ def test_a_lease_is_bounded_by_the_liveness_the_node_had_when_it_sent_the_read()
         live_until=lambda: live_until[0],
         clock=clock,
     )
-    sent = clock()  # the read is sent while the node is not live
+    sent, heard = clock(), leaser.heard()  # the read is sent while the node is not live
     clock.now += 0.01
     live_until[0] = clock() + 6.0  # its renewal's reply arrives first
-    leaser.grant("digest", ENVELOPE.encode("old"), sent, 60_000, 0)
+    leaser.grant("digest", ENVELOPE.encode("old"), sent, 60_000, heard)
     assert near.get("digest") is None  # not live when it asked: no lease

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from .._codec import ERROR_TAG
 
@@ -102,6 +103,16 @@ class NearCache:
                         del self._by_tag[tag]
 
 
+class Heard(NamedTuple):
+    """What a node knew when it sent a read: invalidations heard (a counter), and until when
+    the server surely listed it as live. A lease is granted on the reply by both as of the
+    send: a renewal that lands while the read is on the wire does not lengthen it (an
+    invalidation may have read the live set without this node before that renewal)."""
+
+    seq: int
+    live_until: float
+
+
 class Leaser:
     """Grants near-cache leases on values read from the server."""
 
@@ -118,9 +129,13 @@ class Leaser:
         self.near = near
         self.lease_s = lease_s
         self.skew_margin_s = skew_margin_s
-        self.heard = heard  # invalidations heard so far (a counter)
+        self._seq = heard  # invalidations heard so far (a counter)
         self.live_until = live_until  # until when the live set surely lists this node
         self.clock = clock
+
+    def heard(self) -> Heard:
+        """Taken when a read is sent, handed back to :meth:`grant` with its reply."""
+        return Heard(self._seq(), self.live_until())
 
     def grant(
         self,
@@ -128,16 +143,17 @@ class Leaser:
         data: bytes,
         sent: float,
         ttl_left_ms: int,
-        heard: int,
+        heard: Heard,
         tags: tuple[str, ...] = (),
     ) -> None:
         """Keep ``data``, read by a request sent at ``sent`` when ``heard`` invalidations had
         been heard, for its lease: never past the value's own time left on the server, and
         not at all if an invalidation was heard since (it may be about this very value).
         A copy with ``tags`` is dropped by an invalidation of any of them."""
-        if self.heard() != heard or data[:1] == ERROR_TAG or ttl_left_ms <= 0:
+        if self._seq() != heard.seq or data[:1] == ERROR_TAG or ttl_left_ms <= 0:
             return
         lease = min(self.lease_s, ttl_left_ms / 1000)
-        # Never past this node's own liveness: an invalidation waits only for live nodes.
-        end = min(sent + lease, self.live_until()) - self.skew_margin_s
+        # Never past this node's liveness as it was when the read was sent: an invalidation
+        # waits only for the nodes its read of the live set listed.
+        end = min(sent + lease, heard.live_until) - self.skew_margin_s
         self.near.put(digest, data, end, tags)

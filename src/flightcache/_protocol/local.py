@@ -40,8 +40,9 @@ log = logging.getLogger("flightcache.near")
 class Leases(Protocol):
     """Grants near-cache leases on values read from the server."""
 
-    def heard(self) -> int:
-        """Invalidations heard so far: a read that saw it move is not leased."""
+    def heard(self) -> Any:
+        """What the node knew when a read was sent (invalidations heard, its liveness),
+        handed back to ``grant`` with the reply."""
         ...
 
     def grant(
@@ -50,7 +51,7 @@ class Leases(Protocol):
         data: bytes,
         sent: float,
         ttl_left_ms: int,
-        heard: int,
+        heard: Any,
         tags: tuple[str, ...] = (),
     ) -> None: ...
 
@@ -186,7 +187,7 @@ class LocalFlights:
         ttl_left_ms: int,
         leasable: bool,
         cost_ms: int,
-        heard: int,
+        heard: Any,
         track: bool,
         tags: tuple[str, ...] = (),
     ) -> None:
@@ -216,7 +217,7 @@ class LocalFlights:
         fk: FlightKeys,
         job: Job,
         opts: CallOptions,
-        heard: int,
+        heard: Any,
         handle: Any = None,
     ) -> bytes:
         result = await flights.resolve(fk, job, opts, handle)
