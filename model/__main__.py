@@ -27,14 +27,31 @@ def report(res: Result, *, verbose: bool = True) -> None:
     if res.violation:
         print(f"  VIOLATED {res.violation}")
         print(f"  shortest trace ({len(res.trace)} steps):")
-        for i, step in enumerate(res.trace, 1):
-            print(f"    {i:2}. {step}")
+        for i, step in _numbered(res.trace, res.tick_s):
+            print(f"    {i:>5}. {step}")
     elif verbose:
         for name in INVARIANTS:
             print(f"  holds  {name}")
     for name, verdict in res.liveness.items():
         print(f"  {'holds ' if verdict == 'holds' else 'FAILS '} {name} ({verdict})")
     sys.stdout.flush()
+
+
+def _numbered(trace: list[str], tick_s: float) -> list[tuple[str, str]]:
+    """The steps, numbered; a run of ticks is one line (``5-12. 8 ticks pass (2 s)``)."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(trace):
+        j = i
+        while j < len(trace) and trace[j] == "tick":
+            j += 1
+        if j - i > 1:
+            out.append((f"{i + 1}-{j}", f"{j - i} ticks pass ({(j - i) * tick_s:g} s)"))
+            i = j
+        else:
+            out.append((str(i + 1), trace[i]))
+            i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ class Result:
     trace: list[str] = field(default_factory=list)
     liveness: dict[str, str] = field(default_factory=dict)
     complete: bool = True  # False when a state limit stopped the search
+    tick_s: float = 1.0
 
     @property
     def ok(self) -> bool:
@@ -73,7 +74,7 @@ def check(
     m: Model, *, max_states: int = 0, liveness: bool = False, progress: bool = False
 ) -> Result:
     started = time.perf_counter()
-    res = Result(m.scope.name, m.mutant)
+    res = Result(m.scope.name, m.mutant, tick_s=m.scope.tick_s)
     init = m.initial()
     root = m.canon(init)
     parent: dict[World, tuple[World, str] | None] = {root: None}

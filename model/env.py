@@ -91,7 +91,8 @@ def node_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         procs = list(world.procs)
         procs[pid] = nxt
         w = world._replace(procs=tuple(procs), server=server)
-        yield f"p{pid} hears invalidation {inval}, drops its copy, acks", (pid, "hear"), w, ()
+        acks = "acks" if sender != pid else "its own: no ack"
+        yield f"p{pid} hears invalidation {inval}, drops its copy, {acks}", (pid, "hear"), w, ()
     if (
         m.scope.near and m.scope.liveness and proc.beat == 0
     ):  # SET node key PX node_ttl (GET; SADD when gone)

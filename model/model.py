@@ -84,7 +84,7 @@ class Model:
         groups: dict[tuple[str, ...], list[int]] = {}
         for pid, ops in enumerate(scope.ops):
             groups.setdefault(ops, []).append(pid)
-        self._perms = self._permutations(list(groups.values())) if scope.symmetry else []
+        self._groups = [g for g in groups.values() if len(g) > 1] if scope.symmetry else []
 
     def initial(self) -> World:
         n = self.scope.processes
@@ -137,29 +137,54 @@ class Model:
 
     # -- symmetry ------------------------------------------------------------------------
 
-    @staticmethod
-    def _permutations(groups: list[list[int]]) -> list[tuple[int, ...]]:
-        """Every renaming of pids that only swaps processes with the same operations."""
-        n = sum(len(g) for g in groups)
-        perms = []
-        for choice in itertools.product(*(itertools.permutations(g) for g in groups)):
-            perm = [0] * n
-            for group, image in zip(groups, choice, strict=True):
-                for src, dst in zip(group, image, strict=True):
-                    perm[src] = dst
-            if perm != list(range(n)):
-                perms.append(tuple(perm))
-        return perms
-
     def canon(self, world: World) -> World:
-        """The least of the state's renamings (sound: every invariant is symmetric in the
-        processes, and renamed processes run the same operations)."""
-        best = world
-        for perm in self._perms:
-            other = _rename(world, perm)
-            if other < best:
+        """A canonical member of the state's orbit under renaming interchangeable processes
+        (sound: every invariant is symmetric in the processes, and renamed processes run the
+        same operations). The candidates are the renamings that sort each group of
+        interchangeable processes by a key that renaming does not change; the least of
+        those is the representative, the same for every state of the orbit."""
+        if not self._groups:
+            return world
+        procs = world.procs
+        keys = [_key(p) for p in procs]
+        choices = []
+        for group in self._groups:
+            ordered = sorted(group, key=keys.__getitem__)
+            # runs of equal keys may go in any order
+            runs: list[list[int]] = []
+            for pid in ordered:
+                if runs and keys[runs[-1][0]] == keys[pid]:
+                    runs[-1].append(pid)
+                else:
+                    runs.append([pid])
+            options = [
+                [x for run in combo for x in run]
+                for combo in itertools.product(*(itertools.permutations(r) for r in runs))
+            ]
+            choices.append([(tuple(group), tuple(o)) for o in options])
+        best = None
+        n = len(procs)
+        for combo in itertools.product(*choices):
+            perm = list(range(n))
+            for group, order in combo:
+                for slot, pid in zip(group, order, strict=True):
+                    perm[pid] = slot  # the pid sorted into this slot is renamed to it
+            tperm = tuple(perm)
+            other = world if tperm == tuple(range(n)) else _rename(world, tperm)
+            if best is None or other < best:
                 best = other
+        assert best is not None
         return best
+
+
+def _key(proc: Proc) -> tuple:
+    """A process's state without the pids it holds: unchanged by renaming."""
+    return (*proc[:_INBOX], len(proc.inbox), *proc[_INBOX + 1 : _INV], bool(proc.inv))
+
+
+_INBOX = Proc._fields.index("inbox")
+_INV = Proc._fields.index("inv")
+assert _INV == len(Proc._fields) - 1
 
 
 def _rename_server(s: Server, perm: tuple[int, ...]) -> Server:

@@ -81,7 +81,7 @@ def test_a_counterexample_prints_as_a_numbered_trace(capsys: pytest.CaptureFixtu
     assert main(["--mutant", "no-marker"]) == 0
     out = capsys.readouterr().out
     assert "VIOLATED no_stale_near_copy" in out
-    assert "     1. p" in out and "returns" in out
+    assert "        1. p" in out and "returns" in out
 
 
 def test_help_lists_the_mutants_and_known_issues(capsys: pytest.CaptureFixture[str]) -> None:
