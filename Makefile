@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-redis bench soak lint clean
+.PHONY: demo test test-redis bench soak model lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,8 +33,8 @@ soak: $(STAMP)
 
 # The protocol's model check (model/, docs/protocol.md "The model check"): every scope,
 # the larger ones too, with states explored, time and each invariant's result.
-model:
-	$(PY) -m model --large
+model: $(STAMP)
+	$(BIN)/python -m model --large
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
