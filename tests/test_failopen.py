@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from flightcache import BackendUnavailable, EmbeddedServer, FlightCache
+from flightcache import BackendUnavailable, EmbeddedServer, FlightCache, Tuning
 from flightcache._backends.embedded import free_port
 
 
@@ -55,7 +55,14 @@ async def test_stopping_and_restarting_the_server_under_load(
 ) -> None:
     server = EmbeddedServer().start()
     port = server.port
-    fc = FlightCache(server.url, namespace=namespace, socket_timeout=0.5, near_lease=0.5)
+    # Fail-open starts once a flight's failover window (failover_s) has passed unanswered.
+    fc = FlightCache(
+        server.url,
+        namespace=namespace,
+        socket_timeout=0.5,
+        near_lease=0.5,
+        tuning=Tuning(failover_s=0.5),
+    )
     errors: list[BaseException] = []
     answered = 0
     stop = asyncio.Event()

@@ -2,7 +2,7 @@
 
 ``Settings.from_args`` takes ``FlightCache(...)``'s arguments, refuses a bad one with a
 ``ConfigError`` that names it, and returns them normalised in a frozen dataclass, so every
-front door (the async ``FlightCache``, the coming sync client) checks the same way. Nothing
+front door (the async ``FlightCache``, the sync ``FlightCacheSync``) checks the same way. Nothing
 here touches the network or asyncio.
 
 ``SCHEMES`` maps each URL scheme to what it names (cashews' ``register_backend``): a new

@@ -3,7 +3,8 @@
 ::
 
     FlightError                 every error this library raises on purpose
-    ├── LeaseLost               an owner's lease was taken over; its loader was cancelled
+    ├── LeaseLost               a write fenced by a token that no longer owns the flight
+    │                           (``set(..., if_token=t)``); the token is ``.token``
     ├── FlightTimeout           a loader ran past its hard timeout, or a wait passed its bound
     ├── RemoteError             the loader failed in another process (type name, message, data)
     ├── StreamRestarted         a stream's owner died after chunks were delivered; a new
@@ -32,7 +33,8 @@ class FlightError(Exception):
 
 
 class LeaseLost(FlightError):
-    """An owner found that its lease was taken over; its loader was cancelled."""
+    """A write fenced by a fencing token that no longer owns its key's flight (another
+    owner took it over, or it ended): nothing was written. ``.token`` is the refused token."""
 
     def __init__(self, message: str, *, key: str | None = None, token: int | None = None) -> None:
         super().__init__(message, key=key)

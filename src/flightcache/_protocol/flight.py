@@ -2,7 +2,8 @@
 
 One call of :meth:`RedisFlights.resolve` is one process's part in one flight: join (hit,
 follow or vacant), claim with a fresh fencing token, own (loader + heartbeat + fenced write),
-follow (block on the flight's stream), and take over when an owner's lease lapses.
+follow (wait for the flight's events on the wake channel, no connection held), and take
+over when an owner's lease lapses.
 It returns the stored bytes of the result (a value or an error record).
 """
 
@@ -78,7 +79,7 @@ class RedisFlights:
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
         self._confirms: set[asyncio.Task[Any]] = set()  # confirm_claim, sent beside loaders
-        self._claim_prefix = secrets.token_hex(4) + "-"
+        self._claim_prefix = secrets.token_hex(8) + "-"  # 64 random bits a cache, then a counter
         self._claims = 0
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
 
@@ -236,10 +237,8 @@ class RedisFlights:
         waiter = handle.waiter
         assert waiter is not None
         state: State | None = handle.state
-        if state is None:
-            state = await self._join(
-                fk, opts, "always", refresh=opts.refresh, claim_id=handle.claim_id
-            )
+        if state is None:  # the first join is still to be answered: through a failover too
+            state = await self._first_join(fk, opts, handle.claim_id)
         if state.kind == HIT:
             self.stats.hits += 1
             assert state.value is not None
@@ -326,6 +325,24 @@ class RedisFlights:
                 state = None
                 continue
             outage, backoff = None, 0.05
+
+    async def _first_join(self, fk: FlightKeys, opts: CallOptions, claim_id: str) -> State:
+        """A call's first join, sent again (the same claim id: it answers the claim it may
+        have made) while the server is unreachable, for up to ``failover_s``: a failover is
+        not yet an outage, and fail-open starts only after it."""
+        started = self.clock()
+        backoff = 0.05
+        while True:
+            try:
+                return await self._join(fk, opts, "always", refresh=opts.refresh, claim_id=claim_id)
+            except PoolExhausted:
+                raise
+            except BackendUnavailable as exc:
+                if self.clock() - started >= self.tuning.failover_s:
+                    raise
+                log_claim.info("flight %s: server unreachable, retrying: %s", fk.digest, exc)
+                await asyncio.sleep(backoff)  # outage backoff
+                backoff = min(backoff * 2, 1.0)
 
     @staticmethod
     def _lease_hit(job: Job, state: State) -> None:

@@ -65,8 +65,9 @@ class Follower:
             if entries and entry_key(entries[-1][0]) <= at:
                 continue  # nothing after the cursor
             if not entries or entry_key(prev) > at:
-                # A bare hint, or an entry between the cursor and `prev` never arrived.
-                return await self._read_after(fk, cursor)
+                # A bare hint, or an entry between the cursor and `prev` never arrived: what
+                # the earlier messages told, then the stream itself from there.
+                return news + await self._read_after(fk, cursor)
             for entry in entries:
                 if entry_key(entry[0]) > at:
                     news.append(entry)

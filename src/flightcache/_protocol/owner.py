@@ -4,8 +4,8 @@ Every write carries the owner's token and is refused (``Lost``) when the token i
 current. A write the *server* fails (unreachable, or refusing commands) is never the
 loader's failure: it is retried through ``Tuning.failover_s``; a value in hand that still
 cannot be written is handed to this process's callers (``Undelivered``, which fail-open
-turns into an answer), and the flight is given back so followers claim it without waiting
-out the lease. Nothing about it reaches followers as a ``RemoteError`` or is negative-cached.
+turns into an answer); its flight's lease lapses and a follower takes it over. Nothing
+about it reaches followers as a ``RemoteError`` or is negative-cached.
 """
 
 from __future__ import annotations
