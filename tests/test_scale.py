@@ -259,3 +259,27 @@ async def test_an_owner_of_1000_flights_renews_them_in_a_few_commands_a_tick(
     # 5 scripts of 200 flights a tick (and a few ticks more on a loaded machine), where one
     # script per flight would be 1,000 a tick.
     assert 0 < renewals <= 5 * (ticks + 3), (renewals, ticks)
+
+
+@pytest.mark.timeout(60)
+async def test_an_idle_node_costs_the_server_at_most_one_command_a_second(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """Node liveness (one SET a renewal) and the listener's pings, counted by the server
+    with script internals included, over 8 s of a node doing nothing."""
+    admin = aioredis.Redis.from_url(private_server.url)
+    fc = FlightCache(private_server.url, namespace=namespace)
+    try:
+        await fc.get("warm-up")
+        await asyncio.sleep(0.5)
+        await admin.config_resetstat()
+        t0 = time.monotonic()
+        await asyncio.sleep(8.0)
+        elapsed = time.monotonic() - t0
+        stats = await admin.info("commandstats")
+    finally:
+        await fc.aclose()
+        await admin.aclose()
+    ours = {k: v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",)}
+    ours.pop("cmdstat_config|resetstat", None)
+    assert sum(ours.values()) / elapsed <= 1.0, ours
