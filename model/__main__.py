@@ -34,6 +34,10 @@ def report(res: Result, *, verbose: bool = True) -> None:
             print(f"  holds  {name}")
     for name, verdict in res.liveness.items():
         print(f"  {'holds ' if verdict == 'holds' else 'FAILS '} {name} ({verdict})")
+    if res.liveness and not res.ok and res.trace:
+        print(f"  a shortest way there ({len(res.trace) - 1} steps):")
+        for i, step in _numbered(res.trace, res.tick_s):
+            print(f"    {i:>5}. {step}")
     sys.stdout.flush()
 
 

@@ -46,7 +46,8 @@ INVARIANTS = {
 LIVENESS = {
     "every_call_returns": "under fairness, every operation of a live process returns",
     "dead_owner_taken_over": (
-        "under fairness, a flight whose owner died is taken over or ended while callers wait"
+        "under fairness, no caller waits forever on a flight nobody holds (its owner died, "
+        "gave it back, or it ended unheard): it is taken over or its end is found"
     ),
 }
 
@@ -121,7 +122,10 @@ def check(
                 res.violation = whys[0]
                 break
     elif liveness and res.complete and edges is not None:
-        res.liveness = _liveness(m, edges)
+        res.liveness, stuck = _liveness(m, edges)
+        if stuck is not None:  # the way into a fair cycle on which a call never returns
+            _replay(m, init, parent, stuck, res.trace)
+            res.trace.append("... and from here a fair cycle on which the call never returns")
     res.seconds = time.perf_counter() - started
     return res
 
@@ -148,11 +152,12 @@ def _replay(m: Model, init: World, parent: dict, last: World, labels: list[str])
     return world
 
 
-def _liveness(m: Model, edges: dict) -> dict[str, str]:
+def _liveness(m: Model, edges: dict) -> tuple[dict[str, str], World | None]:
     index = {w: i for i, w in enumerate(edges)}
     worlds = list(edges)
     succ = [[(index[k], f) for k, f in edges[w]] for w in worlds]
     out = {}
+    stuck = None
     n_procs = m.scope.processes
     for name in LIVENESS:
         verdict = "holds"
@@ -164,15 +169,15 @@ def _liveness(m: Model, edges: dict) -> dict[str, str]:
             cycle = _fair_scc(succ, keep)
             if cycle is not None:
                 w = worlds[cycle]
-                verdict = f"violated: p{pid} can wait forever (e.g. from state {w.procs[pid].pc})"
+                verdict = f"violated: p{pid} can wait forever (in phase {w.procs[pid].pc})"
+                stuck = stuck or w
                 break
         out[name] = verdict
-    return out
+    return out, stuck
 
 
 def _orphaned(world: World) -> bool:
-    """The flight's owner is dead: meta is held by a crashed process (or its lease lapsed
-    with nobody claiming, while followers wait)."""
+    """Nobody holds the flight: meta is a crashed process's, or gone while followers wait."""
     s = world.server
     if s.meta:
         return not world.procs[s.meta[0].owner].alive

@@ -143,22 +143,16 @@ def faults(m: Model, world: World) -> Iterator[Step]:
                 b._replace(pause=b.pause - 1),
                 f"p{pid} pauses",
             )
-        if b.lose and proc.mail:
-            yield _with(
-                world,
-                pid,
-                proc._replace(mail=proc.mail[1:]),
-                b._replace(lose=b.lose - 1),
-                f"a wake message to p{pid} is lost",
-            )
-        if b.lose and proc.inbox:
-            yield _with(
-                world,
-                pid,
-                proc._replace(inbox=proc.inbox[1:]),
-                b._replace(lose=b.lose - 1),
-                f"an invalidation message to p{pid} is lost",
-            )
+        if b.lose:  # any one message in transit, not only the first
+            spent = b._replace(lose=b.lose - 1)
+            for i in range(len(proc.mail)):
+                mail = proc.mail[:i] + proc.mail[i + 1 :]
+                label = f"a wake message to p{pid} ({_shown(proc.mail[i][1])}) is lost"
+                yield _with(world, pid, proc._replace(mail=mail), spent, label)
+            for i in range(len(proc.inbox)):
+                inbox = proc.inbox[:i] + proc.inbox[i + 1 :]
+                label = f"invalidation {proc.inbox[i][0]} to p{pid} is lost"
+                yield _with(world, pid, proc._replace(inbox=inbox), spent, label)
         if b.drop and proc.sub:
             yield _with(
                 world,
@@ -196,6 +190,10 @@ def faults(m: Model, world: World) -> Iterator[Step]:
         if keep != s.stream:
             w = world._replace(server=s._replace(stream=keep))
             yield "the stream's ended flights lapse (linger, XTRIM)", None, w, ()
+
+
+def _shown(entries: tuple) -> str:
+    return ", ".join(f"{e.t}@{e.id}" for e in entries) or "a bare hint"
 
 
 def _active(m: Model, pid: int, proc: Proc) -> bool:
