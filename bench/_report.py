@@ -623,6 +623,15 @@ def _counts(by_name: dict[str, float], digits: int = 2) -> str:
     return ", ".join(f"{n} {number(v)}" for n, v in by_name.items())
 
 
+def _warnings(whose: str, rows: list[dict[str, Any]], since: float, event: str) -> None:
+    """A worker's library warnings by shape (bench/_scale_worker.py counts, not prints)."""
+    for row in rows[:3]:
+        print(
+            f"     {whose} log: {row['count']} x {row['message'][:90]!r}, first "
+            f"{row['first'] - since:+.1f} s after {event}"
+        )
+
+
 def print_scale(k: dict[str, Any]) -> None:
     one, m, burst = k["single_key"], k["many_keys"], k["owner_burst"]
     f, o = m["follower"], m["owner"]
@@ -660,13 +669,19 @@ def print_scale(k: dict[str, Any]) -> None:
     print(_row("    baseline: one key", one["owner_return_lag_ms"]))
     print(_row("  follower's return - owner's callers'", m["follower_after_owner_ms"]))
     r = m["wake_lag_ratio"]
-    print(f"     ratio to the one-key baseline: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x")
+    print(
+        f"     ratio to the one-key baseline: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x; followers "
+        f"back more than 1 s after the owner's callers: {m['follower_after_owner_over_1s']}"
+    )
+    for role, process in (("owner", o), ("follower", f)):
+        _warnings(f"{role}'s", process["warnings"], m["follow_started_at"], "the follower started")
     print(
         f"   owner burst: {burst['keys']} calls started at once by a fresh process, loader "
         f"{burst['loader_s']:g} s: {burst['right']} right within {burst['bound_s']:g} s, "
         f"{burst['unfinished']} unfinished, {burst['error_count']} errors; "
         f"{burst['lease_lost']} leases lost, {burst['loader_starts']} loader runs started"
     )
+    _warnings("burst's", burst["warnings"], burst["started_at"], "the burst started")
     w = m["renewals"]
     quiet = "nothing else running" if w["flights"] == m["keys"] else "CLAIMS STILL RUNNING"
     print(

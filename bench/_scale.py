@@ -269,6 +269,8 @@ async def _many_keys(
         "wave": wave,
         "claim_s": claimed["claim_s"],
         "lease_lost_while_claiming": claimed["lease_lost"],
+        "follow_started_at": started["started_at"],  # time.monotonic(), as the warnings'
+        "renewal_window_lease_lost": stats_after["stats"]["lease_lost"],
         "running_at_once": claimed["running"],
         "join_s": joined["at"] - started["started_at"],
         "joined_before_first_end": joined["follows"],
@@ -283,6 +285,9 @@ async def _many_keys(
         # The owner's own callers: their return (once complete_flight answered) - loader end.
         "owner_return_lag_ms": summary(own["wake_lag_ms"]),
         "follower_after_owner_ms": summary(after_owner),
+        # Woken well after the owner's return: the wake message was missed or came late, and
+        # the lease-bounded re-check (one lease later at the most) found the end.
+        "follower_after_owner_over_1s": sum(x > 1000 for x in after_owner),
         "follower": {k: v for k, v in got.items() if k != "wake_lag_ms"},
         "right": got["right"],
         "unfinished": got["unfinished"] + own["unfinished"],
@@ -327,6 +332,8 @@ async def _burst(
         "error_count": got["error_count"],
         "errors": got["errors"],
         "lease_lost": got["stats"]["lease_lost"],
+        "warnings": got["warnings"],
+        "started_at": claimed["all_running_at"] - claimed["claim_s"],
         "loader_starts": got["loader_starts"],
         "loader_runs": got["loader_runs"],
         "seconds": got["seconds"],

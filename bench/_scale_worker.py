@@ -19,7 +19,8 @@ orders as JSON lines on stdin (``bench._orders``), answering each with one JSON 
 - ``{"op": "results", "timeout"}``: wait (at most ``timeout``) for the calls of the last
   ``own``/``follow`` and answer what they got: right values, errors, calls still unfinished
   (then cancelled), loader runs and times, the wake lag of each call (its return minus the
-  owner's loader end, in ms) and each key's return time.
+  owner's loader end, in ms), each key's return time, and the library's warnings meanwhile
+  (counted by shape, with the first time each was seen: they are not printed).
 - ``{"op": "quit"}`` (or end of input): close the cache and exit.
 """
 
@@ -28,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -37,6 +40,28 @@ from flightcache import FlightCache
 
 from ._orders import serve
 from ._worker import warm
+
+
+class LogCounts(logging.Handler):
+    """The library's warnings, counted by message shape (digests and numbers left out) with
+    the first time each was seen, instead of tens of thousands of lines on stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: dict[str, list[float]] = {}  # shape -> [count, first seen (monotonic)]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        shape = re.sub(r"[0-9a-f]{32}", "<flight>", record.getMessage())
+        shape = re.sub(r"\d+", "N", shape)[:160]
+        seen = self.counts.setdefault(f"{record.name}: {shape}", [0, time.monotonic()])
+        seen[0] += 1
+
+    def top(self, n: int = 5) -> list[dict[str, Any]]:
+        rows = sorted(self.counts.items(), key=lambda kv: -kv[1][0])[:n]
+        return [{"message": m, "count": int(c), "first": t} for m, (c, t) in rows]
+
+
+LOGGED = LogCounts()
 
 
 class Batch:
@@ -157,6 +182,7 @@ class Batch:
             "late": late,
             "seconds": time.monotonic() - self.started,
             "stats": {k: v - self.stats_before.get(k, 0) for k, v in after.items()},
+            "warnings": LOGGED.top(),
         }
 
 
@@ -194,10 +220,13 @@ async def progress(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
 async def results(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
     if not _batch:
         raise RuntimeError("results without an own or follow order")
-    return await _batch.pop().report(fc, float(msg["timeout"]))
+    report = await _batch.pop().report(fc, float(msg["timeout"]))
+    LOGGED.counts.clear()  # each batch reports its own
+    return report
 
 
 def _cache() -> FlightCache:
+    logging.getLogger("flightcache").addHandler(LOGGED)  # no lastResort lines on stderr
     url, namespace, lease = sys.argv[1], sys.argv[2], float(sys.argv[3])
     return FlightCache(url, namespace=namespace, lease=lease, near_cache=False, node_ttl=60.0)
 
