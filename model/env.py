@@ -168,7 +168,7 @@ def faults(m: Model, world: World) -> Iterator[Step]:
                 how = "slow" if d > 0 else "fast"
                 yield _with(world, pid, nxt, b, f"p{pid}'s clock runs {how} by {abs(d)} tick")
         if b.close and proc.pc == "run" and not proc.paused:
-            yield _close(world, pid, proc)
+            yield _close(m, world, pid, proc)
     if b.restart:
         empty = Server(
             MISSING, (), (), (), (), (0,) * len(world.server.nodes), (), world.server.next_id
@@ -207,13 +207,14 @@ def _with(world: World, pid: int, proc: Proc, budget, label: str, fair=None) -> 
     return label, fair, world._replace(procs=tuple(procs), budget=budget), ()
 
 
-def _close(world: World, pid: int, proc: Proc) -> Step:
+def _close(m: Model, world: World, pid: int, proc: Proc) -> Step:
     """The owner's cache is closed: the loader is cancelled and the flight given back
     (fail_flight reset); the process is gone."""
     from . import scripts
     from .procs import _put
 
-    server, _code, wake = scripts.fail_flight(world.server, proc.token, "reset")
+    claim = 0 if m.scope.token_in_join else proc.claim
+    server, _code, wake = scripts.fail_flight(world.server, proc.token, claim, "reset")
     w = _put(world, pid, proc._replace(alive=False, pc="idle"), server, wake=wake)
     w = w._replace(budget=w.budget._replace(close=w.budget.close - 1))
     return f"p{pid} is closed and gives its flight back (reset)", None, w, ()

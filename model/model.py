@@ -25,9 +25,10 @@ LAZY = ("start", "loader")  # steps that may wait any number of ticks
 
 KNOWN_ISSUES = {
     "late-liveness": (
-        "near.py Leaser.grant bounds a lease by the node's liveness as of the reply, not as "
-        "of the request: a node whose liveness had lapsed, and that an invalidation's live "
-        "set therefore left out, renews before the reply arrives and leases the old value"
+        "(fixed in 28bd9ef) near.py Leaser.grant bounded a lease by the node's liveness as of "
+        "the reply, not as of the request: a node whose liveness had lapsed, and that an "
+        "invalidation's live set therefore left out, renewed before the reply arrived and "
+        "leased the old value"
     ),
     "news-drop": (
         "follower.py _news: when a later wake message is out of step, the entries that "
@@ -67,7 +68,7 @@ class Scope:
         if self.drift:
             extra.append(f"clock drift {self.drift} tick")
         if not self.token_in_join:
-            extra.append("Cluster claims (INCR + confirm_claim)")
+            extra.append("Cluster claims (INCR, confirm_claim beside the loader)")
         if self.initial:
             extra.append("a value stored at the start")
         return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"

@@ -59,9 +59,9 @@ def _done(m: Model, world: World, pid: int, proc: Proc, value: int, why: list[st
 
 
 def _sent(m: Model, proc: Proc) -> int:
-    """A leasable request is sent: the lease it may grant, in ticks from now. Bounded by
-    the node's liveness as of now (the fix of known issue ``late-liveness``; the code
-    reads its liveness only when the reply arrives)."""
+    """A leasable request is sent: the lease it may grant, in ticks from now, bounded by
+    the node's liveness as of now (``Leaser.heard()``, taken at the send). With known issue
+    ``late-liveness``, the code before 28bd9ef: liveness read when the reply arrives."""
     if "late-liveness" in m.known:
         return m.t.near_lease
     return min(m.t.near_lease, proc.live)
@@ -123,7 +123,7 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
         proc = proc._replace(since=entry, claim=entry, gen=entry, token=token, cursor=0)
         if token:
             return proc._replace(pc="run", timer=t.renew, wait=0), None
-        return proc._replace(pc="confirm", timer=0, wait=0), None
+        return proc._replace(pc="incr", timer=0, wait=0), None
     if kind == "vacant":
         return proc._replace(pc="sleep", timer=0, wait=0), None
     assert kind == "ended"
@@ -260,16 +260,16 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
                 nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
             w = _put(world, pid, nxt, server, ghost, wake)
             yield f"p{pid} re-check -> {_show(reply)}", (pid, "recheck"), w, tuple(why)
-    elif pc == "confirm":  # INCR owner-seq, then confirm_claim
-        server, ok = scripts.confirm_claim(world.server, proc.claim, t.lease)
-        if ok:
-            nxt = proc._replace(pc="run", token=proc.claim, timer=t.renew)
-        else:
-            nxt = proc._replace(pc="join", mode="always", since=proc.claim)
-        w = _put(world, pid, nxt, server)
-        yield f"p{pid} confirm -> {'owner' if ok else 'lapsed'}", (pid, "confirm"), w, ()
+    elif pc == "incr":  # INCR owner-seq: the token; the loader starts at once
+        nxt = proc._replace(pc="run", token=proc.claim, timer=t.renew, confirming=True)
+        w = _put(world, pid, nxt)
+        yield f"p{pid} INCR owner-seq: token {proc.claim}, loader starts", (pid, "incr"), w, ()
     elif pc == "run":
         yield from _run_steps(m, world, pid, proc)
+    if proc.confirming:  # confirm_claim, sent beside the loader; its answer is not awaited
+        server, ok = scripts.confirm_claim(world.server, proc.claim, t.lease)
+        w = _put(world, pid, proc._replace(confirming=False), server)
+        yield f"p{pid} confirm_claim -> {ok:d}", (pid, "confirm"), w, ()
     elif pc == "write":
         yield _write(m, world, pid, proc)
     elif pc in ("rhit", "rdone", "rget"):  # a leasable reply arrives
@@ -300,7 +300,7 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         w = _put(world, pid, nxt, ghost=g)
         yield f"p{pid} loader returns {shown}", (pid, "loader"), w, tuple(why)
     if proc.timer == 0 and not proc.refused:
-        server, ok = scripts.renew_leases(world.server, proc.token, m.t.lease)
+        server, ok = scripts.renew_leases(world.server, proc.token, _claim(m, proc), m.t.lease)
         if ok:
             nxt = proc._replace(timer=m.t.renew)
         elif m.mutant == "no-cancel":
@@ -311,12 +311,17 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         yield f"p{pid} renew -> {'ok' if ok else 'refused'}", (pid, "renew"), w, ()
 
 
+def _claim(m: Model, proc: Proc) -> int:
+    """The claim id an owner's fenced writes carry: only where the join took no token."""
+    return 0 if m.scope.token_in_join else proc.claim
+
+
 def _write(m: Model, world: World, pid: int, proc: Proc) -> Step:
     why: list[str] = []
     g = world.ghost
     server0 = world.server
     if proc.outcome == ERROR:
-        server, code, wake = scripts.fail_flight(server0, proc.token, "error")
+        server, code, wake = scripts.fail_flight(server0, proc.token, _claim(m, proc), "error")
         if code:
             nxt = _done(m, world, pid, proc, ERROR, why)
         else:
@@ -324,9 +329,12 @@ def _write(m: Model, world: World, pid: int, proc: Proc) -> Step:
         w = _put(world, pid, nxt, server, wake=wake)
         return f"p{pid} fail_flight -> {'published' if code else 'fenced'}", (pid, "write"), w, ()
     value = proc.outcome
-    server, code, wake = scripts.complete_flight(server0, proc.token, value, m.mutant)
+    server, code, wake = scripts.complete_flight(
+        server0, proc.token, _claim(m, proc), value, m.mutant
+    )
     if code == 1:
-        if not (server0.meta and server0.meta[0].token == proc.token):
+        _, holds = scripts.owns(server0, proc.token, _claim(m, proc))
+        if not holds:
             why.append(
                 f"no_store_after_takeover: p{pid} stored v{value} under token {proc.token}, "
                 "which no longer holds the flight"

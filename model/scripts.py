@@ -67,29 +67,43 @@ def join_flight(
 
 
 def confirm_claim(server: Server, claim: int, lease: int) -> tuple[Server, bool]:
-    """INCR owner-seq then confirm_claim.lua: the token is unique (the claim's own id)."""
+    """confirm_claim.lua, sent beside the loader after INCR owner-seq (the token is unique:
+    the claim's own id)."""
     if not server.meta or server.meta[0].claim != claim or server.meta[0].token:
         return server, False
     meta = server.meta[0]._replace(token=claim, ttl=lease)
     return server._replace(meta=(meta,)), True
 
 
-def renew_leases(server: Server, token: int, lease: int) -> tuple[Server, bool]:
-    if not server.meta or server.meta[0].token != token:
+def owns(server: Server, token: int, claim: int) -> tuple[Server, bool]:
+    """_fence.lua: whether ``token`` holds the flight. A claim made without a token (a
+    Cluster) is confirmed by the owner's first fenced write, which carries its claim id
+    (``claim``; 0 where the join took the token), if confirm_claim has not done it."""
+    if not server.meta:
+        return server, False
+    meta = server.meta[0]
+    if meta.token:
+        return server, meta.token == token
+    if claim and meta.claim == claim:
+        return server._replace(meta=(meta._replace(token=token),)), True
+    return server, False
+
+
+def renew_leases(server: Server, token: int, claim: int, lease: int) -> tuple[Server, bool]:
+    server, ok = owns(server, token, claim)
+    if not ok:
         return server, False
     return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
 
 
-def _fenced(server: Server, token: int) -> bool:
-    return not server.meta or server.meta[0].token != token
-
-
 def complete_flight(
-    server: Server, token: int, value: int, mutant: str
+    server: Server, token: int, claim: int, value: int, mutant: str
 ) -> tuple[Server, int, Wake]:
     """1 stored, 2 delivered but not stored (an invalidation marked the flight), 0 fenced."""
-    if mutant != "no-token-check" and _fenced(server, token):
-        return server, 0, ()
+    if mutant != "no-token-check":
+        server, ok = owns(server, token, claim)
+        if not ok:
+            return server, 0, ()
     marked = bool(server.meta) and server.meta[0].invalidated
     stored = not marked
     entry = _append(server, "done", token, value, stored)
@@ -104,10 +118,11 @@ def complete_flight(
     return server, (1 if stored else 2), wake
 
 
-def fail_flight(server: Server, token: int, kind: str) -> tuple[Server, int, Wake]:
+def fail_flight(server: Server, token: int, claim: int, kind: str) -> tuple[Server, int, Wake]:
     """An error (not negative-cached: the loader timed out, or its error TTL is 0) or a
     reset (the owner gives the flight back); waiters stay after a reset."""
-    if _fenced(server, token):
+    server, ok = owns(server, token, claim)
+    if not ok:
         return server, 0, ()
     entry = _append(server, kind, token)
     wake = _wake(server, server.waiters, (entry,))

@@ -64,6 +64,7 @@ class Proc(NamedTuple):
     gen: int = 0  # ghost: the flight (claim id) it took part in last; 0 none
     token: int = 0  # an owner's token
     claim: int = 0  # an owner's claim entry
+    confirming: bool = False  # a Cluster owner's confirm_claim is on the wire
     timer: int = 0  # owner: next renewal due; follower: re-check; invalidator: deadline
     outcome: int = 0  # owner: the loader's value (ERROR for an error)
     refused: bool = False  # ghost: a renewal of its lease was refused
