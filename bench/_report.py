@@ -673,6 +673,12 @@ def print_scale(k: dict[str, Any]) -> None:
         f"     ratio to the one-key baseline: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x; followers "
         f"back more than 1 s after the owner's callers: {m['follower_after_owner_over_1s']}"
     )
+    ph = m["follow_phase"]
+    print(
+        f"     CPU from the follower's start to the last call's end ({ph['seconds']:.1f} s): "
+        f"follower {ph['follower_cpu_s']:.1f} s, owner {ph['owner_cpu_s']:.1f} s, server "
+        f"{ph['server_cpu_s']:.1f} s"
+    )
     for role, process in (("owner", o), ("follower", f)):
         _warnings(f"{role}'s", process["warnings"], m["follow_started_at"], "the follower started")
     print(
