@@ -247,7 +247,7 @@ async def _many_keys(
 
     follower_peak = ConnectionPeak(ctl, follower.pid)
     owner_peak = ConnectionPeak(ctl, owner.pid, interval=0.5)
-    cpu_before = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
+    follow_cpu = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
     async with follower_peak.running(), owner_peak.running():
         started = await follower.ask({"op": "follow", "prefix": prefix, "keys": keys}, 10)
         first_end = claimed["all_running_at"] - claimed["claim_s"] + loader_s  # at the earliest
@@ -256,7 +256,7 @@ async def _many_keys(
         memory["used_memory_growth_per_flight"] = (await _used_memory(ctl) - memory_before) / keys
         got = await follower.ask({"op": "results", "timeout": loader_s + 60}, loader_s + 70)
     own = await owner.ask({"op": "results", "timeout": 60}, 70)
-    cpu_after = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
+    followed_cpu = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
     follow_s = time.monotonic() - started["started_at"]
     # The follower's return minus the owner's own return, per key: what the wake channel
     # adds once the owner's complete_flight has answered (negative: the follower was first).
@@ -305,7 +305,7 @@ async def _many_keys(
             **{
                 f"{name}_cpu_s": after - before
                 for name, before, after in zip(
-                    ("follower", "owner", "server"), cpu_before, cpu_after, strict=True
+                    ("follower", "owner", "server"), follow_cpu, followed_cpu, strict=True
                 )
             },
         },
