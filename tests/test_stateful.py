@@ -79,7 +79,9 @@ class Proc:
         self.cursor = b"0-0"
         self.gen = b""  # the flight whose events it applies (job generation)
         self.token = 0
-        self.claim = b""
+        self.claim = b""  # the claim's stream entry
+        self.claim_id = ""  # what its fenced writes carry on a Cluster ('' on one server)
+        self.confirming = False  # a Cluster claim's confirm_claim is still to be sent
         self.value: bytes | None = None  # the loader's result, once it returned
         self.heard_at_start = self.leaser.heard()
         self.sent = 0.0
@@ -95,9 +97,13 @@ class Proc:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("cluster", [False, True], ids=["token-in-join", "cluster-claims"])
 def test_the_protocols_invariants_hold_under_chosen_interleavings(
-    server: EmbeddedServer,
+    server: EmbeddedServer, cluster: bool
 ) -> None:
+    """``cluster``: claims as on a Cluster (owner-seq elsewhere): the join claims without a
+    token, the owner INCRs and starts at once, and confirm_claim, sent beside the loader,
+    or its first fenced write carrying the claim id confirms the claim."""
     client = redis.Redis.from_url(server.url)
     scripts = {name: client.register_script(s.text) for name, s in {**LUA, **LEASE_LUA}.items()}
 
@@ -147,7 +153,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                     fk.stream,
                     fk.marker,
                     fk.cost,
-                    self.ks.owner_seq,
+                    *(() if cluster else (self.ks.owner_seq,)),
                 ],
                 args=[
                     p.node,
@@ -161,7 +167,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                     "0",
                     since,
                     0,
-                    random.getrandbits(20),
+                    "" if cluster else random.getrandbits(20),
                     self.ks.wake_prefix,
                     fk.digest,
                     65536,
@@ -175,10 +181,15 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
             elif state.kind == FOLLOW:
                 p.phase, p.cursor, p.gen, p.since = "follow", state.last_id, state.last_id, since
             elif state.kind == CLAIMED:
-                assert state.token, "one server: the join takes the token"
-                p.phase, p.token, p.claim, p.gen = "own", state.token, state.last_id, state.last_id
+                token = state.token
+                if cluster:  # INCR owner-seq; the loader starts, confirm_claim goes beside it
+                    assert not token
+                    token = (client.incr(self.ks.owner_seq) << 20) | random.getrandbits(20)
+                    p.claim_id, p.confirming = claim_id, True
+                assert token
+                p.phase, p.token, p.claim, p.gen = "own", token, state.last_id, state.last_id
                 p.since = state.last_id
-                self.token_of[state.last_id] = state.token
+                self.token_of[state.last_id] = token
             elif state.kind == VACANT:
                 p.phase, p.mode, p.since = "join", "always", since  # after its takeover sleep
             else:
@@ -248,7 +259,8 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                 return
             fk = self.fk
             ok = scripts["renew_leases"](
-                keys=[fk.meta, fk.stream, fk.waiters], args=[p.token, LEASE_MS, LINGER_MS, ""]
+                keys=[fk.meta, fk.stream, fk.waiters],
+                args=[p.token, LEASE_MS, LINGER_MS, p.claim_id],
             )
             if not int(ok[0]):  # give_up: the loader is cancelled; join again and follow
                 p.phase, p.mode, p.since = "join", "always", p.claim
@@ -259,7 +271,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
             if p.phase != "done":
                 return
             fk = self.fk
-            current = client.hget(fk.meta, "ownerToken")
+            current, claim_id = client.hmget(fk.meta, "ownerToken", "claimId")
             assert p.value is not None
             if ENVELOPE.is_error(p.value):
                 code = scripts["fail_flight"](
@@ -273,6 +285,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                         self.ks.wake_prefix,
                         fk.digest,
                         65536,
+                        p.claim_id,
                     ],
                 )
                 if int(code):
@@ -295,11 +308,15 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
                         self.ks.wake_prefix,
                         fk.digest,
                         65536,
+                        p.claim_id,
                     ],
                 )
             )
-            if code == 1:
-                assert current == str(p.token).encode(), "stored by a token that is not meta's"
+            if code == 1:  # the current token's, or the claim this write confirmed
+                holds = current == str(p.token).encode() or (
+                    current is None and p.claim_id and claim_id == p.claim_id.encode()
+                )
+                assert holds, "stored by a token that is not meta's"
                 assert p.claim not in self.stored_flights, "a flight stored twice"
                 self.stored_flights.add(p.claim)
                 self.ever_stored.add(p.value)
@@ -317,9 +334,27 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
             fk = self.fk
             scripts["fail_flight"](
                 keys=[fk.result, fk.meta, fk.stream, fk.waiters],
-                args=[p.token, "reset", "", 0, 10_000, self.ks.wake_prefix, fk.digest, 65536],
+                args=[
+                    p.token,
+                    "reset",
+                    "",
+                    0,
+                    10_000,
+                    self.ks.wake_prefix,
+                    fk.digest,
+                    65536,
+                    p.claim_id,
+                ],
             )
             p.reset_call()  # its cache was closed: the call ends with FlightError
+
+        @rule(i=st.integers(0, PROCS - 1))
+        def confirm(self, i: int) -> None:
+            """A Cluster owner's confirm_claim lands (its answer is not awaited)."""
+            p = self.procs[i]
+            if p.confirming:
+                p.confirming = False
+                scripts["confirm_claim"](keys=[self.fk.meta], args=[p.claim_id, p.token, LEASE_MS])
 
         @rule(i=st.integers(0, PROCS - 1))
         def wake(self, i: int) -> None:
