@@ -2,8 +2,9 @@
 
 Without arguments, the small scopes (the test suite's); ``--large`` adds the larger ones
 (``make model``). ``--mutant NAME`` checks one mutant in the scope that catches it and
-prints its counterexample; ``--known-issue NAME`` models the code as it is where the model
-found a bug, and prints that trace.
+prints its counterexample; ``--known-issue NAME`` models the code where the model found a
+bug (``news-drop``: as it is; ``late-liveness``: before its fix, 28bd9ef) and prints that
+trace.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def _numbered(trace: list[str], tick_s: float) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m model", description=__doc__)
     parser.add_argument("--mutant", choices=sorted(MUTANTS), help="remove one safeguard")
-    parser.add_argument("--known-issue", choices=sorted(KNOWN_ISSUES), help="the code as is")
+    parser.add_argument(
+        "--known-issue", choices=sorted(KNOWN_ISSUES), help="the code with a bug the model found"
+    )
     parser.add_argument("--scope", choices=sorted(ALL), action="append", help="run only these")
     parser.add_argument("--large", action="store_true", help="also the larger scopes")
     parser.add_argument("--max-states", type=int, default=0, help="stop after this many")
