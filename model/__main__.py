@@ -3,7 +3,7 @@
 Without arguments, the small scopes (the test suite's); ``--large`` adds the larger ones
 (``make model``). ``--mutant NAME`` checks one mutant in the scope that catches it and
 prints its counterexample; ``--known-issue NAME`` models the code where the model found a
-bug (``news-drop``: as it is; ``late-liveness``: before its fix, 28bd9ef) and prints that
+bug, before its fix (``late-liveness``: 28bd9ef; ``news-drop``: ecab0e6), and prints that
 trace.
 """
 

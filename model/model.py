@@ -31,7 +31,8 @@ KNOWN_ISSUES = {
         "leased the old value"
     ),
     "news-drop": (
-        "follower.py _news: when a later wake message is out of step, the entries that "
+        "(fixed in ecab0e6) follower.py _news: when a later wake message was out of step, the "
+        "entries that "
         "earlier messages of the same batch gave are dropped and the stream is read after "
         "them, so a takeover's 'claimed' entry can be skipped (a stream follower then keeps "
         "the dead owner's chunks)"

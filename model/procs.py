@@ -182,7 +182,7 @@ def _news(m: Model, world: World, proc: Proc) -> list[Entry]:
         if entries and entries[-1].id <= at:
             continue
         if not entries or prev > at:
-            if "news-drop" in m.known:  # the code: what earlier messages gave is dropped
+            if "news-drop" in m.known:  # the code before ecab0e6: earlier messages dropped
                 return read_after(at)
             return news + read_after(at)
         news += [e for e in entries if e.id > at]
