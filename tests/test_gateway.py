@@ -232,7 +232,8 @@ async def test_the_async_openai_client_gets_well_formed_answers(
 
 
 async def test_x_cache_says_miss_coalesced_and_hit(fleet: Fleet, upstream: str) -> None:
-    control(upstream, latency_ms=300)
+    # The upstream answers late enough that the two others join the flight on a loaded machine.
+    control(upstream, latency_ms=3000)
     body = chat("x-cache")
     async with httpx.AsyncClient(timeout=20) as client:
         first = asyncio.ensure_future(ask(client, fleet.a.url, body))
