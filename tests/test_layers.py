@@ -6,7 +6,7 @@ layers but not for cycles, since it never runs. Layers, top to bottom:
 
     gateway, _cli, __main__                    the thin layers over the library
     __init__, _cache, _wiring, _decorator,     the front doors and what only they use
-    _sync, integrations
+    _sync, integrations, telemetry
     _protocol, _leases, _protections           the rooms (_protocol and _leases never
                                                import each other)
     _backends                                  connections, servers, the ring
@@ -36,6 +36,7 @@ LAYERS: list[set[str]] = [
         "_sync",
         "_loopthread",
         "integrations",
+        "telemetry",
     },
     {"_protocol", "_leases", "_protections"},
     {"_backends"},

@@ -33,7 +33,8 @@ from ._protocol.batch import (
     uncached_many,
 )
 from ._protocol.context import wants_context
-from ._protocol.jobs import LoaderJob, Producer
+from ._protocol.jobs import Producer
+from ._protocol.observed import HIT, CallRecord, ObservedLoaderJob
 from ._protocol.streaming import FlightStream
 from ._protocol.tags import tagged
 from ._types import (
@@ -44,6 +45,7 @@ from ._types import (
     Invalidation,
     Loader,
 )
+from .telemetry import Call, flown
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -107,45 +109,76 @@ class FlightCache(Engine):
             return await self._uncached(loader, not_found)
         digest = self._digest(key)
         self._stats.calls += 1
-        near = self._near
-        if near is not None and not refresh:
-            data = near.get(digest)
-            if data is not None:  # a leased copy: no round trip, no key names
+        call: Call | None = None  # this call's span, once a tracer provider is configured
+        tel = self._tel
+        if tel is not None and (tracer := tel.tracing()) is not None:
+            call = tel.call(tracer, "flightcache.do", digest, current=True)
+        try:
+            near = self._near
+            if near is not None and not refresh:
+                data = near.get(digest)
+                if data is not None:  # a leased copy: no round trip, no key names
+                    self._stats.hits += 1
+                    if refresh_ahead and store:
+                        fk = self.keyspace.for_digest(digest)
+                        self._maybe_refresh(
+                            fk, key, loader, refresh_ahead, ttl, lease, timeout, names
+                        )
+                    if call is not None:
+                        call.near = True
+                        return call.result(self.envelope.decode(data, key=digest))
+                    return self.envelope.decode(data, key=digest)
+            if admit is not None and not await admitted(
+                admit, key, fail_open=self._settings.fail_open
+            ):
+                self._stats.rejected += 1
+                if call is not None:
+                    call.record.role = "rejected"
+                    call.not_found = True
+                return NOT_FOUND
+            fk = self.keyspace.for_digest(digest)
+            flights = self._front
+            if flights is None or self._state is not CacheState.OPENED:
+                flights = await self._ready()
+            front: Flights = flights
+
+            opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
+            record = call.record if call is not None else None
+
+            def start(handle: Any) -> Coroutine[Any, Any, bytes]:
+                job = ObservedLoaderJob(
+                    loader,
+                    self.envelope,
+                    fk.digest,
+                    not_found,
+                    key=key,
+                    with_context=wants_context(loader),
+                )
+                job.record = record or CallRecord()
+                if names:
+                    job.tag(names, self._gate())
+                work = self._local.fly(front, fk, job, opts, handle)
+                return flown(self._stats, self._tel, job.record, work)
+
+            data, hit = await self._local.call(
+                front, fk, opts, track=bool(refresh_ahead), start=start, record=record
+            )
+            if hit:
                 self._stats.hits += 1
                 if refresh_ahead and store:
-                    fk = self.keyspace.for_digest(digest)
                     self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout, names)
-                return self.envelope.decode(data, key=digest)
-        if admit is not None and not await admitted(admit, key, fail_open=self._settings.fail_open):
-            self._stats.rejected += 1
-            return NOT_FOUND
-        fk = self.keyspace.for_digest(digest)
-        flights = self._front
-        if flights is None or self._state is not CacheState.OPENED:
-            flights = await self._ready()
-        front: Flights = flights
-
-        opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
-
-        def start(handle: Any) -> Coroutine[Any, Any, bytes]:
-            job = LoaderJob(
-                loader,
-                self.envelope,
-                fk.digest,
-                not_found,
-                key=key,
-                with_context=wants_context(loader),
-            )
-            if names:
-                job.tag(names, self._gate())
-            return self._local.fly(front, fk, job, opts, handle)
-
-        data, hit = await self._local.call(front, fk, opts, track=bool(refresh_ahead), start=start)
-        if hit:
-            self._stats.hits += 1
-            if refresh_ahead and store:
-                self._maybe_refresh(fk, key, loader, refresh_ahead, ttl, lease, timeout, names)
-        return self.envelope.decode(data, key=fk.digest)
+            if call is not None:
+                if hit:
+                    call.record.role = HIT
+                return call.result(self.envelope.decode(data, key=fk.digest))
+            return self.envelope.decode(data, key=fk.digest)
+        except BaseException as exc:
+            if call is not None:
+                call.end(exc)
+            raise
+        finally:
+            if call is not None:
+                call.end()
 
     async def do_many(
         self,
@@ -229,6 +262,10 @@ class FlightCache(Engine):
         fk = self.keyspace.for_digest(digest_of(canon))
         opts = self._options(canon, ttl, lease, timeout, refresh, store)
         self._stats.streams += 1
+        tel = self._tel
+        if tel is not None and (tracer := tel.tracing()) is not None:
+            call = tel.call(tracer, "flightcache.stream", fk.digest, current=False)
+            return self._local.stream(fk, producer, opts, call)
         return self._local.stream(fk, producer, opts)
 
     async def get(self, key: Any) -> Any:

@@ -44,6 +44,7 @@ from ._types import (
     Stats,
 )
 from ._wiring import Parts, Shared, parts_for, server_parts
+from .telemetry import Telemetry, attach
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -120,6 +121,7 @@ class Engine:
         self.node_ttl = settings.node_ttl
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._stats = Stats()
+        self._tel: Telemetry | None = attach(self)  # spans and metrics (telemetry.py)
         self._shared = Shared(
             settings, self.keyspace, self.envelope, self._stats, self.node_id, tuning or Tuning()
         )

@@ -60,6 +60,7 @@ from ._protections.bloom import BloomFilter
 from ._protocol.batch import BatchLoader
 from ._protocol.streaming import FlightStream
 from ._types import FlightInfo, Invalidation, Stats
+from .telemetry import carried, carry
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -272,7 +273,7 @@ class FlightCacheSync:
             not_found=not_found,
             tags=_listed(tags),
         )
-        return engine.run(call, self._call_bound(timeout, lease))
+        return engine.run(carry(call), self._call_bound(timeout, lease))  # the caller's span
 
     def do_many(
         self,
@@ -330,7 +331,7 @@ class FlightCacheSync:
                 key, job, ttl=ttl, lease=lease, timeout=timeout, refresh=refresh, store=store
             )
 
-        stream = engine.call(open_stream, self._admin_bound)
+        stream = engine.call(carried(open_stream), self._admin_bound)  # the caller's span
         return FlightStreamSync(engine, stream, self._call_bound(timeout, lease))
 
     def get(self, key: Any) -> Any:

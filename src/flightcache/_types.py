@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -98,6 +99,29 @@ class Invalidation:
     waited_s: float
 
 
+WAIT_BOUNDS_S: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Observations counted into fixed buckets: ``counts[i]`` of them were at most
+    ``bounds[i]`` and above the bound before it; the last count is above every bound."""
+
+    bounds: tuple[float, ...] = WAIT_BOUNDS_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BOUNDS_S) + 1))
+    total: float = 0.0  # the sum of every observation
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
 @dataclass(slots=True)
 class Stats:
     """Counters of one FlightCache, cumulative since it was made."""
@@ -123,8 +147,12 @@ class Stats:
     tag_stale: int = 0  # tagged results read whose tags were invalidated since (misses)
     owning: int = 0  # flights this cache owns right now (a gauge, not a counter)
     extra: dict[str, int] = field(default_factory=dict)
+    # Seconds from a follow of another process's flight to its answer (do() calls only).
+    follow_wait: Histogram = field(default_factory=Histogram)
 
     def snapshot(self) -> dict[str, int]:
-        data = {k: v for k, v in asdict(self).items() if k not in ("extra", "owning")}
+        data = {
+            k: v for k, v in asdict(self).items() if k not in ("extra", "owning", "follow_wait")
+        }
         data.update(self.extra)
         return data

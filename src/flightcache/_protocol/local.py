@@ -29,6 +29,7 @@ from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .base import Flights
 from .jobs import Job, LoaderJob, Producer, StreamJob
+from .observed import COALESCED, CallRecord, ObservedStream, ObservedStreamJob, Observer
 from .streaming import HIT, FlightStream, LocalStream
 from .tags import TagGate, current, untag
 
@@ -283,17 +284,21 @@ class LocalFlights:
         *,
         track: bool,
         start: Callable[[Any], Coroutine[Any, Any, bytes]],
+        record: CallRecord | None = None,
     ) -> tuple[bytes, bool]:
         """The result for ``fk``, and whether it is a hit of this caller's own first read.
 
         Joins the read or flight of this key already under way in this process, else sends
         the call's first read (``Flights.begin``: on a server, the join itself, which may
         claim the flight), and when nothing is stored runs ``start(handle)`` in a task.
+        ``record``: a traced call's, told when it joins another caller's.
         """
         table_key = fk.digest + "!" if opts.refresh else fk.digest
         slot = self.slots.get(table_key)
         if slot is not None:  # local single-flight: this process already asks the server
             self.stats.coalesced += 1
+            if record is not None:
+                record.role = COALESCED
             return await asyncio.shield(slot.wait()), False
         slot = _Slot(table_key)
         self.slots[table_key] = slot
@@ -455,8 +460,12 @@ class LocalFlights:
 
     # -- streams -------------------------------------------------------------------------
 
-    def stream(self, fk: FlightKeys, producer: Producer, opts: CallOptions) -> FlightStream:
-        """A subscription to the stream flight of ``fk``, shared by this process's callers."""
+    def stream(
+        self, fk: FlightKeys, producer: Producer, opts: CallOptions, call: Observer | None = None
+    ) -> FlightStream:
+        """A subscription to the stream flight of ``fk``, shared by this process's callers;
+        ``call``: a traced call's span, told where the stream stands."""
+        record = call.record if call is not None else None
         table_key = fk.digest + "!" if opts.refresh else fk.digest
 
         def attach() -> tuple[LocalStream, bool]:
@@ -469,13 +478,18 @@ class LocalFlights:
                 local.fail(FlightError("this FlightCache is closed", key=fk.digest))
                 return local, False
             self.streams[table_key] = local
-            self.spawn(self._run_stream(fk, producer, opts, local))
+            self.spawn(self._run_stream(fk, producer, opts, local, record))
             return local, False
 
-        return FlightStream(attach)
+        return FlightStream(attach) if call is None else ObservedStream(attach, call)
 
     async def _run_stream(
-        self, fk: FlightKeys, producer: Producer, opts: CallOptions, local: LocalStream
+        self,
+        fk: FlightKeys,
+        producer: Producer,
+        opts: CallOptions,
+        local: LocalStream,
+        record: CallRecord | None = None,
     ) -> None:
         try:
             flights = await self.ready()
@@ -487,10 +501,16 @@ class LocalFlights:
                 raise
             if opening.data is not None:
                 self.stats.hits += 1
+                if record is not None:
+                    record.role = "hit"
                 local.opened(HIT)
                 local.complete(self._stream_chunks(opening.data, fk))
                 return
-            job = StreamJob(producer, self.envelope, fk.digest, local)
+            if record is None:
+                job = StreamJob(producer, self.envelope, fk.digest, local)
+            else:
+                job = ObservedStreamJob(producer, self.envelope, fk.digest, local)
+                job.record = record
             data = await flights.resolve(fk, job, opts, opening.handle)
             local.opened(HIT)  # no-op unless the join itself found the result
             local.complete(None if data == b"" else self._stream_chunks(data, fk))

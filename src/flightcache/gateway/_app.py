@@ -40,6 +40,7 @@ from ..integrations._answers import (
     stamped,
     usage_of,
 )
+from ..telemetry import instrument
 from ._config import GatewayConfig
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
 from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
@@ -116,6 +117,7 @@ class _Gateway:
         self.metrics = metrics
         self._fc: FlightCache | None = None
         self._upstream: Upstream | None = None
+        self.tracer_provider: Any = UNSET  # the request spans' provider, for the cache's too
 
     @property
     def fc(self) -> FlightCache:
@@ -148,6 +150,8 @@ class _Gateway:
             max_value_bytes=config.max_value_bytes,
             near_cache=False,  # answers are streamed from the flight, never from a lease
         )
+        if self.tracer_provider is not UNSET:  # the cache's spans go where the requests' go
+            instrument(fc, tracer_provider=self.tracer_provider)
         async with http, fc:
             self._fc = fc
             self._upstream = Upstream(
@@ -448,6 +452,7 @@ def make_app(
     config.check()
     metrics = GatewayMetrics()
     gateway = _Gateway(config, metrics)
+    gateway.tracer_provider = tracer_provider
     routes = [
         Route("/v1/chat/completions", gateway.cached_route, methods=["POST"]),
         Route("/v1/completions", gateway.cached_route, methods=["POST"]),
