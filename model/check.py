@@ -41,6 +41,17 @@ INVARIANTS = {
         "a flight running when an invalidation began never stores its result (without a "
         "server restart or failover)"
     ),
+    "returns_within_wait_bound": (
+        "no call is still pending when time passes its bound: a caller waiting for a flight, "
+        "its deadline (2 x (timeout + lease) + 1 s from its start); an owner running its "
+        "loader, the loader's timeout + the cancel grace (time spent paused not counted)"
+    ),
+    "stream_chunks_one_attempt": (
+        "the chunks a stream's readers in one process are shown all belong to one flight "
+        "attempt, in order from 0, and a reader ends with the list of the flight whose end "
+        "it took (or is told StreamRestarted)"
+    ),
+    "nostore_never_stored": "a store=False flight never leaves a stored result",
 }
 
 LIVENESS = {

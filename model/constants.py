@@ -23,6 +23,18 @@ BLOCK_MARGIN_MS = 50  # a follower waits the lease left plus this before re-chec
 STREAM_LINGER_MS = 10_000  # how long a flight's stream outlives it
 TAKEOVER_STEP_S = 0.03  # a follower not first in line sleeps rank x this before rejoining
 TAKEOVER_MAX_RANK = 16
+# The wait bound (src/flightcache/_types.py CallOptions.wait_bound_s): a call's flight task
+# raises FlightTimeout once this long has passed since it began (flight.py _resolve,
+# follower.py follow); an owner's own loader is bounded by ``timeout`` instead, and one that
+# ignores its cancellation is abandoned CANCEL_GRACE_S later (_protocol/loader.py).
+WAIT_BOUND_FACTOR = 2  # 2 x (timeout + lease) + WAIT_BOUND_EXTRA_S
+WAIT_BOUND_EXTRA_S = 1.0
+CANCEL_GRACE_S = 1.0
+
+
+def wait_bound_s(timeout_s: float, lease_s: float) -> float:
+    """How long a call waits at most (``CallOptions.wait_bound_s``)."""
+    return WAIT_BOUND_FACTOR * (timeout_s + lease_s) + WAIT_BOUND_EXTRA_S
 
 
 def _exact(seconds: float, tick_s: float, what: str) -> int:
@@ -50,6 +62,15 @@ class Timing:
     skew: int
     node_ttl: int
     node_renew: int
+
+    def wait_bound(self, timeout_s: float) -> int:
+        """A call's wait bound in ticks, for a call made with ``timeout=timeout_s``."""
+        return _exact(wait_bound_s(timeout_s, LEASE_S), self.tick_s, "the wait bound")
+
+    def loader_bound(self, timeout_s: float) -> int:
+        """How long an owner's loader may run, in ticks: ``timeout``, then the grace a
+        loader that ignores its cancellation is given before it is abandoned."""
+        return _exact(timeout_s + CANCEL_GRACE_S, self.tick_s, "timeout + the cancel grace")
 
     @classmethod
     def of(cls, tick_s: float, *, leases_for_readers: bool) -> Timing:

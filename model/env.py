@@ -49,6 +49,10 @@ def _shift(proc: Proc, d: int, liveness: bool = True) -> Proc:
         changes["live"] = max(0, proc.live + d)
     if proc.beat:
         changes["beat"] = max(0, proc.beat + d)
+    if proc.due > 0:
+        changes["due"] = max(0, proc.due + d)
+    if proc.ltimer > 0:
+        changes["ltimer"] = max(0, proc.ltimer + d)
     return proc._replace(**changes) if changes else proc
 
 

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import env, procs
+from . import env, invals, procs
 from .constants import Timing
 from .state import INITIAL, MISSING, Budget, Ghost, Proc, Server, World
 
@@ -19,9 +19,19 @@ MUTANTS = {
     "no-marker": "replace_result does not set the invalidation marker",
     "no-since": "join_flight ignores the caller's stream position",
     "no-recheck": "a follower whose wait runs out never re-checks the flight (liveness)",
+    "no-deadline-wait": (
+        "a follower waits for its lease re-check without bounding the wait by its deadline "
+        "(it notices the wait bound only when the re-check is due)"
+    ),
+    "no-restart": (
+        "a stream follower that reads a takeover's 'claimed' keeps the chunks it holds "
+        "(no new generation, no StreamRestarted)"
+    ),
+    "no-chunk-fence": "append_chunks appends without checking the owner's token",
+    "nostore-stores": "complete_flight stores the result of a store=False flight (TTL 0)",
 }
 
-LAZY = ("start", "loader")  # steps that may wait any number of ticks
+LAZY = ("start", "loader", "append")  # steps that may wait any number of ticks
 
 KNOWN_ISSUES = {
     "late-liveness": (
@@ -56,7 +66,13 @@ class Scope:
     flights: int = 3  # at most this many claims in a run (paths past it are not explored)
     liveness: bool = True  # near scopes: nodes renew liveness leases (False: always live,
     # for scopes with no pause or crash, where no node can drop out of the live set)
+    timeouts: tuple[float, ...] = ()  # per process, its calls' timeout (s); 0 or absent: the
+    # wait bound is not modelled (the default 60 s: no deadline within the run's reach)
+    chunks: int = 2  # how many chunks a stream's producer yields at most, per run
     doc: str = ""
+
+    def timeout(self, pid: int) -> float:
+        return self.timeouts[pid] if pid < len(self.timeouts) else 0
 
     @property
     def processes(self) -> int:
@@ -72,6 +88,11 @@ class Scope:
             extra.append("Cluster claims (INCR, confirm_claim beside the loader)")
         if self.initial:
             extra.append("a value stored at the start")
+        if any(self.timeouts):
+            shown = ", ".join(f"p{i} {t:g} s" for i, t in enumerate(self.timeouts) if t)
+            extra.append(f"timeout {shown}")
+        if any("stream" in o for o in self.ops):
+            extra.append(f"at most {self.chunks} chunks a run")
         return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"
 
 
@@ -83,9 +104,16 @@ class Model:
         self.mutant = mutant
         self.known = known
         self.t = Timing.of(scope.tick_s, leases_for_readers=scope.near)
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for pid, ops in enumerate(scope.ops):
-            groups.setdefault(ops, []).append(pid)
+        groups: dict[tuple, list[int]] = {}
+        for pid, ops in enumerate(scope.ops):  # the same operations with the same timeout
+            groups.setdefault((ops, scope.timeout(pid)), []).append(pid)
+        self.bounds = [
+            (self.t.wait_bound(scope.timeout(p)), self.t.loader_bound(scope.timeout(p)))
+            if scope.timeout(p)
+            else (-1, -1)
+            for p in range(scope.processes)
+        ]
+        self.grace = self.t.loader_bound(0)  # CANCEL_GRACE_S in ticks
         self._groups = [g for g in groups.values() if len(g) > 1] if scope.symmetry else []
 
     def initial(self) -> World:
@@ -122,7 +150,7 @@ class Model:
                     yield from procs.start(self, world, pid, proc)
                 steps: Iterator[procs.Step] = iter(())
             elif proc.pc in ("list", "publish", "await"):
-                steps = procs.inval_steps(self, world, pid, proc)
+                steps = invals.inval_steps(self, world, pid, proc)
             else:
                 steps = procs.do_steps(self, world, pid, proc)
             for step in itertools.chain(steps, env.node_steps(self, world, pid, proc)):
@@ -130,7 +158,29 @@ class Model:
                 yield step
         yield from env.faults(self, world)
         if not urgent:
-            yield "tick", ("tick",), env.tick(self, world), ()
+            yield "tick", ("tick",), env.tick(self, world), self._overdue(world)
+
+    def _overdue(self, world: World) -> tuple[str, ...]:
+        """returns_within_wait_bound: time passes while a running process's call is past
+        its bound (a caller waiting: its deadline; an owner: its loader's timeout + grace).
+        The time a process spends paused is not counted (the code's clock counts it, so
+        the call ends as soon as it resumes)."""
+        why = []
+        for pid, p in enumerate(world.procs):
+            if not p.alive or p.paused or p.pc == "idle":
+                continue
+            if p.due == 0 and p.pc in ("follow", "sleep", "join"):
+                why.append(
+                    f"returns_within_wait_bound: p{pid} still waits ({p.pc}) past its wait "
+                    f"bound of {self.bounds[pid][0]} ticks"
+                )
+            elif p.ltimer == 0 and p.pc == "run":
+                why.append(f"returns_within_wait_bound: p{pid}'s loader runs past its timeout")
+        return tuple(why)
+
+    def op(self, pid: int, proc: Proc) -> str:
+        """The operation process ``pid`` is running (or about to start)."""
+        return self.scope.ops[pid][proc.op]
 
     def pending(self, world: World, pid: int) -> bool:
         """Process ``pid`` has an operation not yet returned (and is not dead)."""

@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import scripts
-from .state import ERROR, MISSING, SET_BASE, Entry, Proc, World
+from . import scripts, streams
+from .state import ERROR, MISSING, TIMEOUT, Entry, Proc, World
 
 if TYPE_CHECKING:
     from .model import Model
+
+DO_OPS = ("do", "stream", "nostore")  # a flight's call: do(), stream(), do(store=False)
 
 Step = tuple[str, tuple, World, tuple[str, ...]]
 
@@ -42,7 +44,7 @@ def _put(world: World, pid: int, proc: Proc, server=None, ghost=None, wake=()) -
 
 def _done(m: Model, world: World, pid: int, proc: Proc, value: int, why: list[str]) -> Proc:
     """The operation returns ``value``; the call's state is cleared."""
-    if value not in (MISSING, ERROR) and value not in world.ghost.produced:
+    if value not in (MISSING, ERROR, TIMEOUT) and value not in world.ghost.produced:
         why.append(f"returns_produced_value: p{pid} returned v{value}, which no owner made")
     return Proc(
         op=proc.op + 1,
@@ -70,7 +72,7 @@ def _sent(m: Model, proc: Proc) -> int:
 def _lease(m: Model, proc: Proc, value: int, ticks: int) -> Proc:
     """near.py Leaser.grant: min(sent + lease, live_until) - skew_margin, unless an
     invalidation was heard since the call began."""
-    if proc.heard or value in (MISSING, ERROR):
+    if proc.heard or value in (MISSING, ERROR, TIMEOUT):
         return proc
     end = min(ticks, proc.live) - (0 if m.mutant == "no-skew" else m.t.skew)
     return proc._replace(near=(value, end)) if end > 0 else proc
@@ -101,8 +103,11 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
         if m.scope.near:
             return proc._replace(pc="rhit", reply=(value, _sent(m, proc), not marked)), None
         return _done(m, world, pid, proc, value, why), None
+    stream = m.op(pid, proc) == "stream"
     if kind == "follow":
         _, _token, lease_left, _rank, from_id = reply
+        if stream:  # job.on_follow; the stream is read at once (waiter.lost())
+            proc = streams.new_generation(m, proc, from_id)._replace(gap=True)
         return proc._replace(
             pc="follow",
             cursor=from_id,
@@ -120,14 +125,20 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
                         f"of its flight (entry {e.id}, {e.t}) is on the stream"
                     )
                     break
-        proc = proc._replace(since=entry, claim=entry, gen=entry, token=token, cursor=0)
+        proc = proc._replace(since=entry, claim=entry, gen=entry, token=token, cursor=0, sent=0)
+        if stream:  # this process becomes the owner: a new generation, its own
+            proc = streams.new_generation(m, proc, entry)
         if token:
-            return proc._replace(pc="run", timer=t.renew, wait=0), None
+            return proc._replace(pc="run", timer=t.renew, wait=0, ltimer=m.bounds[pid][1]), None
         return proc._replace(pc="incr", timer=0, wait=0), None
     if kind == "vacant":
         return proc._replace(pc="sleep", timer=0, wait=0), None
     assert kind == "ended"
-    _, end, value, _crossed = reply
+    _, end, value, crossed, n = reply
+    if stream and end == "done":
+        if crossed:  # it ended after a takeover: job.on_claimed
+            proc = streams.new_generation(m, proc, crossed)
+        proc = streams.end(m, pid, proc, value, n, why)
     return _done(m, world, pid, proc, value if end == "done" else ERROR, why), None
 
 
@@ -150,8 +161,15 @@ def _join(m: Model, world: World, pid: int, proc: Proc, mode: str, since: int, l
     if ghost is None:
         return None
     proc = proc._replace(since=since)
-    proc, _ = _on_join(m, world, pid, proc, reply, why)
-    return (f"{label} -> {_show(reply)}", _put(world, pid, proc, server, ghost, wake), why)
+    shown = _show(reply)
+    if proc.due == 0:  # _resolve's loop checks the deadline before it acts on any answer
+        proc = _done(m, world, pid, proc, TIMEOUT, why)
+        shown += ", past the wait bound: FlightTimeout" + (
+            " (the claim is left to lapse)" if reply[0] == "claimed" else ""
+        )
+    else:
+        proc, _ = _on_join(m, world, pid, proc, reply, why)
+    return (f"{label} -> {shown}", _put(world, pid, proc, server, ghost, wake), why)
 
 
 def _show(reply: tuple) -> str:
@@ -195,6 +213,7 @@ def _wake(m: Model, world: World, pid: int, proc: Proc) -> tuple[str, World, lis
     news = _news(m, world, proc)
     proc = proc._replace(mail=(), gap=False)
     wait = _sent(m, proc) if m.scope.near else 0
+    stream = m.op(pid, proc) == "stream"
     for e in news:
         if e.t != "claimed" and e.tok != proc.gen:
             why.append(
@@ -204,8 +223,15 @@ def _wake(m: Model, world: World, pid: int, proc: Proc) -> tuple[str, World, lis
         proc = proc._replace(cursor=e.id)
         if e.t == "claimed":  # job.on_claimed: a new generation
             proc = proc._replace(gen=e.id)
+            if stream:
+                proc = streams.new_generation(m, proc, e.id)
+            continue
+        if e.t == "chunk":  # job.on_chunk
+            proc = streams.apply_chunk(pid, proc, e, why)
             continue
         if e.t == "done":
+            if stream:
+                proc = streams.end(m, pid, proc, e.tok, e.n, why)
             if e.stored and m.scope.near:
                 proc = _lease(m, proc, e.v, proc.wait)
             proc = _done(m, world, pid, proc, e.v, why)
@@ -230,7 +256,12 @@ def _entries(entries: list[Entry]) -> str:
 def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     pc = proc.pc
     t = m.t
-    if pc in ("join", "sleep"):  # sleep: after rank x 30 ms, join in mode always
+    if pc == "join" and proc.mode == "always" and proc.due == 0:
+        # Lost (a refused renewal, a fenced write): _resolve's loop checks the deadline first
+        nxt = _done(m, world, pid, proc, TIMEOUT, [])
+        label = f"p{pid} lost its flight past its wait bound: FlightTimeout"
+        yield label, (pid, "join"), _put(world, pid, nxt), ()
+    elif pc in ("join", "sleep"):  # sleep: after rank x 30 ms, join in mode always
         mode = proc.mode if pc == "join" else "always"
         label = f"p{pid} join {mode}" if pc == "join" else f"p{pid} rejoin"
         joined = _join(m, world, pid, proc, mode, proc.since, label)
@@ -240,7 +271,13 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         if proc.mail or proc.gap:
             label, w, why = _wake(m, world, pid, proc)
             yield label, (pid, "wake"), w, tuple(why)
-        if proc.timer == 0 and m.mutant != "no-recheck":  # the wait ran out: re-check
+        # follower.py waits min(recheck_at, deadline); past the deadline, FlightTimeout.
+        # Mutant no-deadline-wait: it waits for recheck_at and sees the deadline only then.
+        if proc.due == 0 and (proc.timer == 0 or m.mutant != "no-deadline-wait"):
+            nxt = _done(m, world, pid, proc, TIMEOUT, [])
+            label = f"p{pid} wait bound passes: FlightTimeout"
+            yield label, (pid, "deadline"), _put(world, pid, nxt), ()
+        elif proc.timer == 0 and m.mutant != "no-recheck":  # the wait ran out: re-check
             why: list[str] = []
             server, reply, wake = scripts.join_flight(
                 world.server, pid, "first", proc.cursor, t.lease, m.scope.token_in_join, m.mutant
@@ -250,6 +287,8 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
                 return
             if reply[0] == "follow":
                 _, _tok, lease_left, _rank, from_id = reply
+                if m.op(pid, proc) == "stream":  # job.on_follow
+                    proc = streams.new_generation(m, proc, from_id)
                 nxt = proc._replace(
                     gen=from_id,
                     cursor=max(proc.cursor, from_id),
@@ -261,7 +300,9 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
             w = _put(world, pid, nxt, server, ghost, wake)
             yield f"p{pid} re-check -> {_show(reply)}", (pid, "recheck"), w, tuple(why)
     elif pc == "incr":  # INCR owner-seq: the token; the loader starts at once
-        nxt = proc._replace(pc="run", token=proc.claim, timer=t.renew, confirming=True)
+        nxt = proc._replace(
+            pc="run", token=proc.claim, timer=t.renew, confirming=True, ltimer=m.bounds[pid][1]
+        )
         w = _put(world, pid, nxt)
         yield f"p{pid} INCR owner-seq: token {proc.claim}, loader starts", (pid, "incr"), w, ()
     elif pc == "run":
@@ -282,7 +323,20 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
 
 
 def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
-    for outcome in m.scope.outcomes:
+    # With a timeout: the loader ends by itself before it, or is cancelled at it and ends
+    # with FlightTimeout then or, if it ignores the cancellation, a grace later.
+    running = proc.ltimer < 0 or proc.ltimer > m.grace
+    if running and m.op(pid, proc) == "stream" and proc.sent < m.scope.chunks:
+        yield _append(m, world, pid, proc)
+    if 0 <= proc.ltimer <= m.grace:
+        why = []
+        if proc.refused:
+            why.append(f"stale_owner_stops: p{pid}'s loader ran on after its renewal was refused")
+        nxt = proc._replace(pc="write", outcome=ERROR, timer=0, ltimer=-1)
+        fair = (pid, "loader") if proc.ltimer else (pid, "ltimeout")  # at 0: at once
+        w = _put(world, pid, nxt)
+        yield f"p{pid} loader ends with FlightTimeout", fair, w, tuple(why)
+    for outcome in m.scope.outcomes if running else ():
         why = []
         if proc.refused:
             why.append(f"stale_owner_stops: p{pid}'s loader ran on after its renewal was refused")
@@ -293,9 +347,11 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         else:
             value = ERROR
         if proc.refused:  # heartbeat.lost: the result is dropped, the flight joined again
-            nxt = proc._replace(pc="join", mode="always", since=proc.claim, timer=0, refused=False)
+            nxt = proc._replace(
+                pc="join", mode="always", since=proc.claim, timer=0, refused=False, ltimer=-1
+            )
         else:
-            nxt = proc._replace(pc="write", outcome=value, timer=0)
+            nxt = proc._replace(pc="write", outcome=value, timer=0, ltimer=-1)
         shown = f"v{value}" if outcome == "ok" else "an error"
         w = _put(world, pid, nxt, ghost=g)
         yield f"p{pid} loader returns {shown}", (pid, "loader"), w, tuple(why)
@@ -306,9 +362,37 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         elif m.mutant == "no-cancel":
             nxt = proc._replace(refused=True, timer=0)
         else:  # give_up: the loader is cancelled, Lost: join again from the claim entry
-            nxt = proc._replace(pc="join", mode="always", since=proc.claim, timer=0)
+            nxt = proc._replace(pc="join", mode="always", since=proc.claim, timer=0, ltimer=-1)
         w = _put(world, pid, nxt, server)
         yield f"p{pid} renew -> {'ok' if ok else 'refused'}", (pid, "renew"), w, ()
+
+
+def _append(m: Model, world: World, pid: int, proc: Proc) -> Step:
+    """The producer yields chunk ``sent``: it is shown to this process's readers at once,
+    then appended (fenced); a fenced append ends the run (Lost: join again and follow)."""
+    why: list[str] = []
+    if proc.refused:
+        why.append(f"stale_owner_stops: p{pid}'s producer ran on after its renewal was refused")
+    seq = proc.sent
+    held = proc._replace(chunks=(*proc.chunks, (proc.claim, seq)), sent=seq + 1)
+    streams.check(pid, held, why)
+    server, ok, wake = scripts.append_chunks(
+        world.server, proc.token, _claim(m, proc), seq, m.mutant
+    )
+    if ok:
+        nxt = held
+    else:
+        nxt = held._replace(
+            pc="join", mode="always", since=proc.claim, timer=0, refused=False, ltimer=-1
+        )
+    w = _put(world, pid, nxt, server, wake=wake)
+    shown = "appended" if ok else "fenced"
+    return (
+        f"p{pid} producer yields chunk {seq}: append_chunks -> {shown}",
+        (pid, "append"),
+        w,
+        tuple(why),
+    )
 
 
 def _claim(m: Model, proc: Proc) -> int:
@@ -329,9 +413,14 @@ def _write(m: Model, world: World, pid: int, proc: Proc) -> Step:
         w = _put(world, pid, nxt, server, wake=wake)
         return f"p{pid} fail_flight -> {'published' if code else 'fenced'}", (pid, "write"), w, ()
     value = proc.outcome
+    store = m.op(pid, proc) != "nostore"
     server, code, wake = scripts.complete_flight(
-        server0, proc.token, _claim(m, proc), value, m.mutant
+        server0, proc.token, _claim(m, proc), value, m.mutant, store, proc.sent
     )
+    if code == 1 and not store:
+        why.append(
+            f"nostore_never_stored: p{pid}'s store=False flight {proc.claim} stored v{value}"
+        )
     if code == 1:
         _, holds = scripts.owns(server0, proc.token, _claim(m, proc))
         if not holds:
@@ -364,7 +453,7 @@ def _write(m: Model, world: World, pid: int, proc: Proc) -> Step:
 
 
 def start(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
-    op = m.scope.ops[pid][proc.op]
+    op = m.op(pid, proc)
     why: list[str] = []
     if op in ("do", "get") and proc.near:  # a near-cache hit: no round trip
         value = _serve_near(m, world, pid, proc, why)
@@ -372,8 +461,9 @@ def start(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         yield f"p{pid} {op}: near cache v{value}", (pid, "start"), _put(world, pid, nxt), tuple(why)
         return
     fresh = proc._replace(heard=False, mail=(), gap=not proc.sub, gen=0, since=0, cursor=0)
-    if op == "do":  # the call's first read is the join itself
-        joined = _join(m, world, pid, fresh, "always", 0, f"p{pid} do: join always")
+    if op in DO_OPS:  # the call's first read is the join itself; its wait bound starts
+        fresh = fresh._replace(due=m.bounds[pid][0], chunks=(), restarted=False)
+        joined = _join(m, world, pid, fresh, "always", 0, f"p{pid} {op}: join always")
         if joined:
             yield joined[0], (pid, "start"), joined[1], tuple(joined[2])
     elif op == "get":
@@ -384,70 +474,6 @@ def start(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
             nxt = _done(m, world, pid, fresh, value, why)
         yield f"p{pid} get: read_result v{value}", (pid, "start"), _put(world, pid, nxt), tuple(why)
     else:
-        yield _replace(m, world, pid, fresh, op)
+        from .invals import replace
 
-
-def _replace(m: Model, world: World, pid: int, proc: Proc, op: str) -> Step:
-    """nodes.py ``replace``: drop the own copy, replace_result, then (unless absent) find
-    the holders, publish, and wait for acknowledgements or the deadline."""
-    g = world.ghost
-    value = MISSING
-    if op == "set":
-        value = SET_BASE + g.sets + 1
-        g = g._replace(sets=g.sets + 1, produced=g.produced | {value})
-    inval = (pid + 1) * 100 + proc.op + 1
-    wait = m.t.near_lease + m.t.skew  # the longest lease, plus the skew margin
-    server0 = world.server
-    server, existed = scripts.replace_result(server0, inval, value, wait, m.mutant)
-    superseded = tuple(sorted(g.ever_stored))
-    below = server0.next_id  # flights claimed before this point computed from old inputs
-    g = g._replace(replaced_below=max(g.replaced_below, below))
-    if value != MISSING:
-        g = g._replace(ever_stored=g.ever_stored | {value})
-    proc = proc._replace(near=(), heard=True)
-    if value == MISSING and not existed:  # absent: nothing to wait for
-        g = _returned(g, superseded, below)
-        nxt = _done(m, world, pid, proc, MISSING, [])
-        w = _put(world, pid, nxt, server, g)
-        return f"p{pid} {op}: replace_result -> absent, returns", (pid, "start"), w, ()
-    nxt = proc._replace(pc="list", timer=wait, inv=(inval, (), True, superseded, below))
-    w = _put(world, pid, nxt, server, g)
-    shown = f"v{value}" if value else "delete"
-    return f"p{pid} {op}: replace_result {shown} (id {inval})", (pid, "start"), w, ()
-
-
-def _returned(g, superseded: tuple[int, ...], below: int):
-    return g._replace(dead=g.dead.union(superseded), dead_below=max(g.dead_below, below))
-
-
-def inval_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
-    inval, holders, trusted, superseded, below = proc.inv
-    if proc.pc == "list":  # live_nodes, read after the delete
-        live = scripts.live_nodes(world.server)
-        holders = tuple(sorted(q for q in live if q != pid))
-        trusted = pid in live or proc.live == 0
-        nxt = proc._replace(pc="publish", inv=(inval, holders, trusted, superseded, below))
-        shown = ",".join(f"p{q}" for q in sorted(holders)) or "none"
-        w = _put(world, pid, nxt)
-        yield f"p{pid} live_nodes: holders {shown}", (pid, "inval"), w, ()
-    elif proc.pc == "publish":
-        procs = list(world.procs)
-        for q, other in enumerate(procs):
-            if other.alive and other.sub:
-                procs[q] = other._replace(inbox=(*other.inbox, (inval, pid)))
-        nxt = procs[pid]._replace(pc="await")
-        procs[pid] = nxt
-        w = world._replace(procs=tuple(procs))
-        yield f"p{pid} publish invalidation {inval}", (pid, "inval"), w, ()
-    elif proc.pc == "await":
-        acked = {q for (i, q) in world.server.acks if i == inval}
-        all_acked = set(holders) <= acked
-        if (all_acked and trusted) or proc.timer == 0:
-            server = world.server
-            how = "lease"
-            if all_acked and trusted:
-                server, how = scripts.end_replace(server, inval), "acked"
-            g = _returned(world.ghost, superseded, below)
-            nxt = _done(m, world, pid, proc._replace(inv=()), MISSING, [])
-            w = _put(world, pid, nxt, server, g)
-            yield f"p{pid} invalidation {inval} returns ({how})", (pid, "inval"), w, ()
+        yield replace(m, world, pid, fresh, op)

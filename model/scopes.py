@@ -57,6 +57,32 @@ SMALL = (
     ),
 )
 
+SMALL += (
+    Scope(
+        "bound-2",
+        (("do",), ("do",)),
+        timeouts=(0, 1),
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="a caller with timeout=1 s (a 9 s wait bound) and one whose loader may run past "
+        "it: the caller returns by its deadline, or its loader's timeout when it owns",
+    ),
+    Scope(
+        "streams-2",
+        (("stream",), ("stream",)),
+        chunks=1,
+        budget=Budget(pause=1, lose=1),
+        doc="two readers of one stream (one chunk a run): chunks fenced by token, a "
+        "takeover after a pause restarting it, a lost wake message",
+    ),
+    Scope(
+        "nostore-2",
+        (("nostore",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="a store=False call and a plain one coalescing: whose flight stores is its "
+        "owner's call",
+    ),
+)
+
 LIVENESS = (
     Scope(
         "live-2",
@@ -128,6 +154,38 @@ LARGE = (
     ),
 )
 
+LARGE += (
+    Scope(
+        "bound-3",
+        (("do",), ("do",), ("do",)),
+        timeouts=(0, 1, 1),
+        budget=Budget(crash=1, pause=1, lose=1, close=1),
+        doc="two callers with timeout=1 s and one whose loader may run past their bounds: a "
+        "crash, a pause, a lost message and a closed owner",
+    ),
+    Scope(
+        "streams-2-chunks",
+        (("stream",), ("stream",)),
+        chunks=2,
+        budget=Budget(crash=1, pause=1, lose=1),
+        doc="two readers of one stream of two chunks a run: a crash, a pause, a lost message",
+    ),
+    Scope(
+        "streams-3",
+        (("stream",), ("stream",), ("stream",)),
+        chunks=1,
+        budget=Budget(crash=1, pause=1, lose=1, close=1),
+        doc="three readers of one stream: a follower reads a takeover's 'claimed' and the new "
+        "run's chunks (StreamRestarted); a crash, a pause, a lost message, a closed owner",
+    ),
+    Scope(
+        "nostore-3",
+        (("nostore",), ("nostore",), ("do",)),
+        budget=Budget(crash=1, pause=1, lose=1, close=1),
+        doc="store=False and plain calls of one key through takeovers",
+    ),
+)
+
 # Where each mutant is caught (the unmodified model passes the same scope).
 MUTANT_SCOPES = {
     "no-token-check": "flights-2",
@@ -136,6 +194,10 @@ MUTANT_SCOPES = {
     "no-skew": "leases-drift",
     "no-marker": "leases-3",
     "no-recheck": "live-2",
+    "no-deadline-wait": "bound-2",
+    "no-restart": "streams-2",
+    "no-chunk-fence": "streams-2",
+    "nostore-stores": "nostore-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

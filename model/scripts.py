@@ -19,8 +19,10 @@ def _wake(server: Server, waiters: tuple[int, ...], entries: tuple[Entry, ...]) 
     return tuple((pid, (prev, entries)) for pid in dict.fromkeys(waiters))
 
 
-def _append(server: Server, entry_t: str, tok: int, v: int = 0, stored: bool = False) -> Entry:
-    return Entry(server.next_id, entry_t, tok, v, stored)
+def _append(
+    server: Server, entry_t: str, tok: int, v: int = 0, stored: bool = False, n: int = 0
+) -> Entry:
+    return Entry(server.next_id, entry_t, tok, v, stored, n)
 
 
 def join_flight(
@@ -37,7 +39,7 @@ def join_flight(
             if e.t == "claimed":
                 crossed = e.id
             elif e.t in ("done", "error"):
-                return server, ("ended", e.t, e.v, crossed), ()
+                return server, ("ended", e.t, e.v, crossed, e.n), ()
     rank = server.waiters.index(pid) if pid in server.waiters else -1
     if server.meta:
         meta = server.meta[0]
@@ -96,17 +98,38 @@ def renew_leases(server: Server, token: int, claim: int, lease: int) -> tuple[Se
     return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
 
 
-def complete_flight(
-    server: Server, token: int, claim: int, value: int, mutant: str
+def append_chunks(
+    server: Server, token: int, claim: int, seq: int, mutant: str
 ) -> tuple[Server, int, Wake]:
-    """1 stored, 2 delivered but not stored (an invalidation marked the flight), 0 fenced."""
+    """append_chunks.lua, one chunk (the code batches what was queued meanwhile: the same
+    entries, in the same order): 1 appended, 0 fenced."""
+    if mutant != "no-chunk-fence":
+        server, ok = owns(server, token, claim)
+        if not ok:
+            return server, 0, ()
+    entry = _append(server, "chunk", token, seq)
+    wake = _wake(server, server.waiters, (entry,))
+    return server._replace(stream=(*server.stream, entry), next_id=server.next_id + 1), 1, wake
+
+
+def complete_flight(
+    server: Server,
+    token: int,
+    claim: int,
+    value: int,
+    mutant: str,
+    store: bool = True,
+    n: int = 0,
+) -> tuple[Server, int, Wake]:
+    """1 stored, 2 delivered but not stored (TTL 0: ``store=False``; or an invalidation
+    marked the flight), 0 fenced. ``n``: a stream flight's chunk count."""
     if mutant != "no-token-check":
         server, ok = owns(server, token, claim)
         if not ok:
             return server, 0, ()
     marked = bool(server.meta) and server.meta[0].invalidated
-    stored = not marked
-    entry = _append(server, "done", token, value, stored)
+    stored = (store or mutant == "nostore-stores") and not marked
+    entry = _append(server, "done", token, value, stored, n)
     wake = _wake(server, server.waiters, (entry,))
     server = server._replace(
         result=value if stored else server.result,

@@ -16,19 +16,22 @@ from typing import NamedTuple
 INITIAL = 999  # a value some owner stored before the run began
 SET_BASE = 1000  # values given to set() are SET_BASE + 1, + 2, ...
 ERROR = -1  # what a caller returns when the flight's loader failed
+TIMEOUT = -2  # what a caller returns when its wait bound passed (FlightTimeout)
 MISSING = 0  # no value (get() of an empty key)
 
 
 class Entry(NamedTuple):
     """One stream entry. ``tok`` is the writer's token (the claim's own id for 'claimed');
-    ``v`` the value a 'done' carries (always inline: the model's values are small);
-    ``stored`` whether a 'done' stored it (the event's ``x``)."""
+    ``v`` the value a 'done' carries (always inline: the model's values are small), or a
+    'chunk''s sequence number; ``stored`` whether a 'done' stored it (the event's ``x``);
+    ``n`` how many chunks a stream flight's 'done' says it appended."""
 
     id: int
-    t: str  # 'claimed', 'done', 'error' or 'reset'
+    t: str  # 'claimed', 'chunk', 'done', 'error' or 'reset'
     tok: int
     v: int = 0
     stored: bool = False
+    n: int = 0
 
 
 class Meta(NamedTuple):
@@ -81,6 +84,13 @@ class Proc(NamedTuple):
     reply: tuple[int, int, bool] | tuple[()] = ()  # a read in flight: (value, ticks, leasable)
     wait: int = 0  # a follower: lease ticks since its current wait began (a done's lease)
     drift: int = 0  # how far its clock is off real time, in ticks
+    # -- the wait bound (scopes that give the process's calls a timeout) --
+    due: int = -1  # ticks left in the call's wait bound (0: passed; -1: not modelled)
+    ltimer: int = -1  # an owner: ticks until its loader is abandoned (timeout + grace)
+    # -- a stream() call --
+    chunks: tuple[tuple[int, int], ...] = ()  # chunks its readers were shown: (claim, seq)
+    sent: int = 0  # an owner: chunks its producer yielded this run
+    restarted: bool = False  # ghost: a reader was told StreamRestarted
     # -- an invalidate()/set() --
     inv: tuple = ()  # (id, holders, trusted, superseded values, superseded below gen)
 

@@ -12,6 +12,8 @@ import pytest
 
 from flightcache import FlightCache
 from flightcache._config import Tuning
+from flightcache._protocol import loader
+from flightcache._types import CallOptions
 from model import constants
 from model.__main__ import main
 from model.check import INVARIANTS, check
@@ -33,6 +35,19 @@ def test_the_models_constants_are_the_codes() -> None:
     # The periods the code derives: heartbeat.py (lease / 3) and nodes.py (node_ttl / 3).
     assert constants.RENEW_EVERY_S == defaults["lease"].default / 3
     assert constants.NODE_RENEW_EVERY_S == defaults["node_ttl"].default / 3
+    # The wait bound (CallOptions.wait_bound_s) for the timeouts the scopes use and the
+    # default, and the grace a loader that ignores its cancellation gets (loader.py).
+    for timeout_s in (0.25, 1.0, defaults["timeout"].default):
+        for lease_s in (constants.LEASE_S, 0.5):
+            opts = CallOptions(
+                ttl_ms=1000,
+                lease_ms=int(lease_s * 1000),
+                timeout_s=timeout_s,
+                error_ttl_ms=0,
+                key_text="k",
+            )
+            assert constants.wait_bound_s(timeout_s, lease_s) == opts.wait_bound_s
+    assert constants.CANCEL_GRACE_S == loader.CANCEL_GRACE_S
 
 
 def test_ticks_are_whole_and_refuse_a_tick_that_would_round_a_lease() -> None:
@@ -46,6 +61,9 @@ def test_ticks_are_whole_and_refuse_a_tick_that_would_round_a_lease() -> None:
         8,
     )
     assert t.margin == 1  # 50 ms rounded up to a tick: only ever later
+    assert t.wait_bound(1.0) == 36  # 2 x (1 + 3) + 1 = 9 s
+    assert constants.Timing.of(1.0, leases_for_readers=False).wait_bound(1.0) == 9
+    assert constants.Timing.of(1.0, leases_for_readers=False).loader_bound(1.0) == 2
     with pytest.raises(ValueError, match="skew_margin"):
         constants.Timing.of(0.5, leases_for_readers=True)
 
@@ -59,13 +77,44 @@ def test_the_protocol_holds_every_invariant_in_the_small_scopes(scope) -> None:
     assert res.states > 1000  # the scope explored something
 
 
+# What each mutant breaks ("" for the liveness mutant: a fair cycle).
+CAUGHT_BY = {
+    "no-token-check": "no_store_after_takeover",
+    "no-cancel": "stale_owner_stops",
+    "no-skew": "no_stale_near_copy",
+    "no-marker": "no_stale_near_copy",
+    "no-since": "one_run_per_flight",
+    "no-recheck": "",
+    "no-deadline-wait": "returns_within_wait_bound",
+    "no-restart": "stream_chunks_one_attempt",
+    "no-chunk-fence": "follower_reads_own_flight",
+    "nostore-stores": "nostore_never_stored",
+}
+
+
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_every_mutant_gives_a_counterexample(mutant: str) -> None:
+    assert set(CAUGHT_BY) == set(MUTANTS)
     scope = ALL[MUTANT_SCOPES[mutant]]
     res = check(Model(scope, mutant), liveness=not scope.symmetry)
     assert not res.ok, f"the checker missed mutant {mutant}"
+    assert res.violation.startswith(CAUGHT_BY[mutant]), res.violation
     if res.violation:
         assert res.trace, "a violation comes with its trace"
+
+
+def test_a_caller_past_its_wait_bound_returns_where_the_mutant_waits_on() -> None:
+    """no-deadline-wait's trace brings a follower to its deadline; the unmodified model, on
+    the same path, returns FlightTimeout there (so the invariant is not vacuous)."""
+    res = check(Model(ALL["bound-2"], "no-deadline-wait"))
+    assert res.trace[-1] == "tick"
+    m = Model(ALL["bound-2"])
+    world = m.initial()
+    for label in res.trace[:-1]:
+        world = next(nxt for lab, _f, nxt, _w in m.successors(world) if lab == label)
+    labels = [lab for lab, *_ in m.successors(world)]
+    assert "p1 wait bound passes: FlightTimeout" in labels
+    assert "tick" not in labels  # it returns before time passes
 
 
 @pytest.mark.parametrize(
