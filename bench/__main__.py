@@ -34,6 +34,7 @@ from . import (
     _sdk,
     _stampede,
     _sync,
+    _telemetry,
 )
 from ._util import ROOT
 
@@ -48,6 +49,7 @@ SECTIONS = (
     "sync",
     "sdk",
     "batch",
+    "telemetry",
 )
 
 
@@ -78,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip-scale", action="store_true", help="skip scale across distinct keys (section 7)"
     )
     p.add_argument("--skip-batch", action="store_true", help="skip batch loading and tags")
+    p.add_argument(
+        "--skip-telemetry", action="store_true", help="skip telemetry's cost on the hit path"
+    )
     p.add_argument(
         "--only",
         action="append",
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     sdk: dict[str, Any] = {"callers": 20, "rounds": 1, "hit_ops": 200} if args.quick else {}
     batch_figures: dict[str, Any] | None = None
     scale_figures: dict[str, Any] | None = None
+    telemetry_figures: dict[str, Any] | None = None
+    telemetry: dict[str, Any] = {"rounds": 3} if args.quick else {}
     try:
         server.start()
         env = {
@@ -269,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_batch:
             batch_figures = asyncio.run(_batch.run(server.url, **batch))
             _report.print_batch(batch_figures)
+        if not args.skip_telemetry:
+            telemetry_figures = asyncio.run(_telemetry.run(server.url, **telemetry))
+            _telemetry.print_telemetry(telemetry_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
@@ -297,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": batch_figures,
             "sdk": sdk_figures,
             "scale_distinct_keys": scale_figures,
+            "telemetry": telemetry_figures,
             "targets": rows,
         }
         Path(args.json).write_text(json.dumps(_clean(doc), indent=2) + "\n")

@@ -470,6 +470,7 @@ async def main():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    await asyncio.sleep(1.5)  # an open cache looks for a tracer provider once a second
     await fc.do("after", loader)
     await fc.do("after", loader)
     await fc.aclose()

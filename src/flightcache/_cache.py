@@ -110,9 +110,9 @@ class FlightCache(Engine):
         digest = self._digest(key)
         self._stats.calls += 1
         call: Call | None = None  # this call's span, once a tracer provider is configured
-        tel = self._tel
-        if tel is not None and (tracer := tel.tracing()) is not None:
-            call = tel.call(tracer, "flightcache.do", digest, current=True)
+        traced = self._traced
+        if traced is not None:
+            call = traced.call("flightcache.do", digest, current=True)
         try:
             near = self._near
             if near is not None and not refresh:
@@ -262,9 +262,9 @@ class FlightCache(Engine):
         fk = self.keyspace.for_digest(digest_of(canon))
         opts = self._options(canon, ttl, lease, timeout, refresh, store)
         self._stats.streams += 1
-        tel = self._tel
-        if tel is not None and (tracer := tel.tracing()) is not None:
-            call = tel.call(tracer, "flightcache.stream", fk.digest, current=False)
+        traced = self._traced
+        if traced is not None:
+            call = traced.call("flightcache.stream", fk.digest, current=False)
             return self._local.stream(fk, producer, opts, call)
         return self._local.stream(fk, producer, opts)
 

@@ -44,7 +44,7 @@ from ._types import (
     Stats,
 )
 from ._wiring import Parts, Shared, parts_for, server_parts
-from .telemetry import Telemetry, attach
+from .telemetry import Telemetry, attach, watch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -121,7 +121,8 @@ class Engine:
         self.node_ttl = settings.node_ttl
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._stats = Stats()
-        self._tel: Telemetry | None = attach(self)  # spans and metrics (telemetry.py)
+        self._traced: Telemetry | None = None  # _tel, once it has a tracer (telemetry.py)
+        self._tel: Telemetry | None = attach(self)  # spans and metrics
         self._shared = Shared(
             settings, self.keyspace, self.envelope, self._stats, self.node_id, tuning or Tuning()
         )
@@ -180,6 +181,7 @@ class Engine:
                 await self._parts.open()
                 if self._state is CacheState.UNOPENED:  # else aclose() waits to undo it
                     self._state = CacheState.OPENED
+                    watch(self)  # for a tracer provider the app configures later
         if self._state is not CacheState.OPENED or self._front is None:
             raise FlightError("this FlightCache is closed")
         return self._front

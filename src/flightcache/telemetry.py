@@ -6,7 +6,8 @@ the global providers, with nothing to call: a span per ``do`` and per ``stream``
 the caller's current span; ``FlightCacheSync`` carries the caller's context to its loop
 thread), and an observable counter per counter of ``fc.stats`` plus a histogram of
 followers' waits on the global ``MeterProvider``. Until the app configures a tracer
-provider no span is made at all: a call pays one check. Without the package nothing is
+provider no span is made at all, and a call pays what it pays with telemetry off (an open
+cache looks for a provider once a second meanwhile). Without the package nothing is
 imported and nothing recorded. ``instrument(fc, tracer_provider=..., meter_provider=...)``
 sends one cache's spans or metrics elsewhere (None: nowhere).
 
@@ -49,6 +50,7 @@ T = TypeVar("T")
 NAME = "flightcache"
 VERSION = "0.1.0"
 COUNTERS = tuple(f.name for f in fields(Stats) if f.type in ("int", int) and f.name != "owning")
+POLL_S = 1.0  # how often an open cache looks for a tracer provider until there is one
 WAIT_METRIC = "flightcache.follow_wait"
 WAIT_HELP = "Seconds from following another process's flight to its answer (do calls)"
 
@@ -156,7 +158,7 @@ class Telemetry:
         self.instruments: list[_Instruments] = []
 
     def tracing(self) -> Any:
-        """The tracer for this call's span, or None: no span (no provider configured)."""
+        """The tracer for the cache's spans, or None: no span (no provider configured)."""
         tracer = self.tracer
         if tracer is None and self.follows_global:
             api = self.api
@@ -168,8 +170,8 @@ class Telemetry:
             tracer = self.tracer = provider.get_tracer(NAME, VERSION)
         return tracer
 
-    def call(self, tracer: Any, name: str, digest: str, *, current: bool) -> Call:
-        return Call(self, tracer, name, digest, current)
+    def call(self, name: str, digest: str, *, current: bool) -> Call:
+        return Call(self, self.tracer, name, digest, current)
 
     def follow_waited(self, seconds: float) -> None:
         for made in self.instruments:
@@ -177,7 +179,9 @@ class Telemetry:
 
 
 def attach(cache: Engine) -> Telemetry | None:
-    """A new cache's telemetry: the global providers' (None without the package)."""
+    """A new cache's telemetry: the global providers' (None without the package). The
+    cache's calls make spans once ``cache._traced`` is set: now, if a tracer provider is
+    configured already, else when ``watch`` finds one."""
     api = _otel()
     if api is None:
         return None
@@ -185,7 +189,31 @@ def attach(cache: Engine) -> Telemetry | None:
     made = _instruments(api)
     made.caches.add(cache)
     tel.instruments.append(made)
+    cache._traced = tel if tel.tracing() is not None else None
     return tel
+
+
+def watch(cache: Engine) -> None:
+    """The cache is open: until the app configures a global tracer provider, look for one
+    now and then every ``POLL_S`` on the cache's loop. So a call without a provider pays
+    only the read of ``cache._traced`` (None), which a call with telemetry off pays too;
+    a provider configured after the cache opened gets its spans within ``POLL_S``."""
+    tel = cache._tel
+    if tel is None or cache._traced is not None or not tel.follows_global:
+        return
+    loop = asyncio.get_running_loop()
+    ref = weakref.ref(cache)
+
+    def check() -> None:
+        engine = ref()
+        if engine is None or engine._closed or engine._tel is not tel or not tel.follows_global:
+            return
+        if tel.tracing() is not None:
+            engine._traced = tel
+        else:
+            loop.call_later(POLL_S, check)
+
+    check()
 
 
 class Call:
@@ -370,6 +398,7 @@ def instrument(
             now.caches.add(engine)
     wanted = tel.tracer is not None or tel.follows_global or tel.instruments
     engine._tel = tel if wanted else None
+    engine._traced = tel if wanted and tel.tracing() is not None else None
 
 
 def waits_of(cache: Any) -> Histogram | None:
