@@ -6,7 +6,8 @@ layers but not for cycles, since it never runs. Layers, top to bottom:
 
     gateway, _cli, __main__                    the thin layers over the library
     __init__, _cache, _wiring, _decorator,     the front doors and what only they use
-    _sync, integrations, telemetry
+    _sync (_loopthread, _syncread, _syncpool,
+    _syncgroup), integrations, telemetry
     _protocol, _leases, _protections           the rooms (_protocol and _leases never
                                                import each other)
     _backends                                  connections, servers, the ring
@@ -35,6 +36,9 @@ LAYERS: list[set[str]] = [
         "_decorator",
         "_sync",
         "_loopthread",
+        "_syncread",
+        "_syncpool",
+        "_syncgroup",
         "integrations",
         "telemetry",
     },

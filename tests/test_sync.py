@@ -231,6 +231,10 @@ def _fork_and_use(fcs: FlightCacheSync) -> dict[str, Any]:
             try:
                 report["parent_value"] = fcs.get("from-parent")
                 report["child_value"] = fcs.do("from-child", os.getpid)
+                report["hit_in_child"] = fcs.do("pre-fork", lambda: "not run")
+                engine = fcs._core.engine
+                fast = engine.fast if engine is not None else None
+                report["fast_pid"] = fast.link.pid if fast is not None else None
                 report["node_id"] = fcs.node_id
                 report["server_url"] = fcs.server_url
                 report["threads"] = ours()
@@ -270,6 +274,9 @@ def test_a_cache_made_before_fork_works_in_the_child_and_the_parent_goes_on(
     child's server too."""
     fcs: FlightCacheSync = make_sync("embedded://") if embedded else make_sync()
     fcs.set("from-parent", "parent's")
+    assert fcs.do("pre-fork", lambda: "parent's hit") == fcs.do("pre-fork", lambda: "no")
+    parent_fast = fcs._core.engine.fast if fcs._core.engine is not None else None
+    assert parent_fast is not None  # the caller-thread reads, with a pooled connection
     parent_node = fcs.node_id
     loop_threads = ours()
     assert "flightcache-sync-loop" in loop_threads
@@ -281,12 +288,19 @@ def test_a_cache_made_before_fork_works_in_the_child_and_the_parent_goes_on(
     assert report["node_id"] != parent_node and f":{report['pid']}:" in report["node_id"]
     assert "flightcache-sync-loop" in report["threads"]
     assert report["threads_after_close"] == []
+    # The child's caller-thread reads are its own: its pool, its connections.
+    assert report["hit_in_child"] == "parent's hit"
+    assert report["fast_pid"] == report["pid"]
     if embedded:
         assert report["server_url"] == fcs.server_url is not None
     # The parent goes on with its own loop and connections, and sees the child's write.
     assert fcs.node_id == parent_node
     assert fcs.get("from-child") == report["pid"]
     assert fcs.do("after-fork", lambda: "parent still works") == "parent still works"
+    before = fcs.stats
+    assert fcs.do("pre-fork", lambda: "no") == "parent's hit"  # its own pooled connection
+    assert fcs._core.engine is not None and fcs._core.engine.fast is parent_fast
+    assert fcs.stats["hits"] == before["hits"] + 1
     assert ours().count("flightcache-sync-loop") == 1  # the parent's own, still running
 
 

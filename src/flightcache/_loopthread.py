@@ -26,6 +26,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 from ._cache import FlightCache
 from ._errors import ConfigError, FlightError, FlightTimeout
 from ._protocol.jobs import Producer
+from ._syncread import FastPath
 from ._types import CacheState, Loader
 
 P = ParamSpec("P")
@@ -52,6 +53,9 @@ class _Engine:
         )
         self.loop.set_default_executor(self.pool)  # asyncio.to_thread and sync loaders
         self.thread = threading.Thread(target=self._serve, name=LOOP_THREAD, daemon=True)
+        self.fast: FastPath | None = None  # the caller-thread reads, once the cache is open
+        self._fast_known = False
+        self._fast_lock = threading.Lock()
         self.thread.start()
         try:
             self.cache: FlightCache = self.call(make, bound)  # its asyncio parts on its loop
@@ -60,6 +64,20 @@ class _Engine:
             self.thread.join(bound)
             self.pool.shutdown(wait=False)
             raise
+
+    def fast_path(self) -> FastPath | None:
+        """The caller-thread reads of this engine (``_syncread.py``): None until the cache
+        is open (the first call opens it, on the loop), and for a backend other than one
+        plain server."""
+        if self._fast_known:
+            return self.fast
+        if self.cache._state is not CacheState.OPENED:
+            return None
+        with self._fast_lock:
+            if not self._fast_known:
+                self.fast = FastPath.of(self.cache, self.loop)
+                self._fast_known = True
+        return self.fast
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -132,6 +150,8 @@ class _Engine:
         with contextlib.suppress(RuntimeError):  # already closed
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.fast is not None:
+            self.fast.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         # Idle workers end at once; one still running a loader that lost its flight is
         # waited for until the bound, then left to finish (a thread cannot be stopped).

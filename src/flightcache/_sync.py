@@ -44,7 +44,7 @@ from ._codec import Codec, Envelope
 from ._config import Settings, Tuning, check_call, safe_url
 from ._decorator import SyncFlight, flight_decorator
 from ._errors import ConfigError
-from ._keys import KeySpace
+from ._keys import KeySpace, check_tags
 from ._leases.nodes import NodeInfo
 from ._loopthread import (
     LONGEST_LEASE_S,
@@ -59,6 +59,7 @@ from ._loopthread import (
 from ._protections.bloom import BloomFilter
 from ._protocol.batch import BatchLoader
 from ._protocol.streaming import FlightStream
+from ._syncread import UNTAKEN
 from ._types import FlightInfo, Invalidation, Stats
 from .telemetry import carried, carry
 
@@ -212,8 +213,10 @@ class FlightCacheSync:
         if engine is None or engine.pid != os.getpid():
             return Stats().snapshot()
         if threading.current_thread() is engine.thread:  # an async loader reads them
-            return engine.cache.stats
-        return engine.call(lambda: engine.cache.stats, self._admin_bound)
+            stats = engine.cache.stats
+        else:
+            stats = engine.call(lambda: engine.cache.stats, self._admin_bound)
+        return engine.fast.counts.into(stats) if engine.fast is not None else stats
 
     @property
     def server_url(self) -> str | None:
@@ -260,7 +263,23 @@ class FlightCacheSync:
         if ttl is not None or lease is not None or timeout is not None:
             check_call(ttl, lease, timeout)
         engine = self._engine()
-        job = _loader_for(loader, contextvars.copy_context())
+        context = contextvars.copy_context()
+        fast = engine.fast_path()
+        if fast is not None and not refresh and refresh_ahead is False:
+            value = fast.do(
+                key,
+                lambda: _loader_for(loader, context),
+                ttl=ttl,
+                lease=lease,
+                timeout=timeout,
+                store=store,
+                not_found=not_found,
+                tags=check_tags(tags) if tags is not None else (),
+                bound=self._call_bound(timeout, lease),
+            )
+            if value is not UNTAKEN:
+                return value
+        job = _loader_for(loader, context)
         call = engine.cache.do(
             key,
             job,
@@ -337,6 +356,11 @@ class FlightCacheSync:
     def get(self, key: Any) -> Any:
         """The cached value for ``key``, or ``MISSING``; never runs anything."""
         engine = self._engine()
+        fast = engine.fast_path()
+        if fast is not None:
+            value = fast.get(key, lambda coro: engine.run(coro, self._admin_bound))
+            if value is not UNTAKEN:
+                return value
         return engine.run(engine.cache.get(key), self._admin_bound)
 
     def invalidate(self, key: Any) -> Invalidation:
