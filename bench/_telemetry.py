@@ -10,7 +10,9 @@ server hit path (``near_cache=False``: a round trip) and on near-cache hits (abo
 microsecond each, where any cost would show most). Rounds alternate the variants as in the
 hit-path phase, but finer: off and on are measured back to back, in turns first, many
 short times; the on/off ratio of ops/s and of this process's CPU us per op is taken
-within each round and the median over rounds reported (target: on >= 0.95 x off).
+within each round and the median over rounds reported (target: on >= 0.95 x off). A
+control pair, two caches with telemetry off, shows what the machine's noise alone does to
+such a ratio.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from ._rounds import MODES, Op, Reads, concurrent, sequential
 from ._util import median
 
 NAMESPACE = "bench-telemetry"
-PAIRS = {"server hit": ("do-off", "do-on"), "near-cache hit": ("near-off", "near-on")}
+PAIRS = {
+    "server hit": ("do-off", "do-on"),
+    "near-cache hit": ("near-off", "near-on"),
+    "control: server hit, off vs off": ("do-off", "do-off2"),  # what noise alone does
+}
 
 
 def _configured() -> bool:
@@ -39,7 +45,7 @@ def _configured() -> bool:
 async def run(
     url: str,
     *,
-    rounds: int = 20,
+    rounds: int = 16,
     server_budget: tuple[int, float] = (5_000, 0.3),
     near_budget: tuple[int, float] = (100_000, 0.2),
     concurrency: int = 16,
@@ -51,14 +57,18 @@ async def run(
         "do-on": FlightCache(url, namespace=NAMESPACE, near_cache=False),
         "near-off": FlightCache(url, namespace=NAMESPACE),
         "near-on": FlightCache(url, namespace=NAMESPACE),
+        "do-off2": FlightCache(url, namespace=NAMESPACE, near_cache=False),
     }
-    for name in ("do-off", "near-off"):
+    for name in ("do-off", "near-off", "do-off2"):
         instrument(caches[name], tracer_provider=None, meter_provider=None)
     telemetry = {name: fc._tel is not None and fc._traced is None for name, fc in caches.items()}
-    if telemetry != {"do-off": False, "do-on": True, "near-off": False, "near-on": True}:
+    want = {"do-off": False, "do-on": True, "near-off": False, "near-on": True, "do-off2": False}
+    if telemetry != want:
         raise RuntimeError(f"telemetry is not as the variants need: {telemetry}")
-    rate: dict[str, dict[str, list[float]]] = {m: {v: [] for v in caches} for m in MODES}
-    cpu_us: dict[str, dict[str, list[float]]] = {m: {v: [] for v in caches} for m in MODES}
+    # mode -> pair -> (off, on) -> one figure per round
+    Samples = dict[str, dict[str, tuple[list[float], list[float]]]]
+    rate: Samples = {m: {p: ([], []) for p in PAIRS} for m in MODES}
+    cpu_us: Samples = {m: {p: ([], []) for p in PAIRS} for m in MODES}
     async with Reads(url, "bench-telemetry-raw", concurrency) as reads:
         try:
             await reads.store(caches["do-off"])
@@ -66,18 +76,18 @@ async def run(
             await reads.check_and_warm("telemetry", ops)
             reads.loader.calls = 0
             for r in range(rounds):  # off and on back to back, in turns first
-                for off, on in PAIRS.values():
-                    n_ops, seconds = near_budget if off.startswith("near") else server_budget
+                for label, pair in PAIRS.items():
+                    n_ops, seconds = near_budget if pair[0].startswith("near") else server_budget
                     for mode in MODES:
-                        for name in (off, on) if r % 2 == 0 else (on, off):
-                            op = ops[name]
+                        for side in (0, 1) if r % 2 == 0 else (1, 0):
+                            op = ops[pair[side]]
                             await sequential(op, 100, 0.1)  # warm this variant's path again
                             if mode == "sequential":
                                 n, dt, cpu = await sequential(op, n_ops, seconds)
                             else:
                                 n, dt, cpu = await concurrent(op, n_ops, seconds, concurrency)
-                            rate[mode][name].append(n / dt)
-                            cpu_us[mode][name].append(cpu / n * 1e6)
+                            rate[mode][label][side].append(n / dt)
+                            cpu_us[mode][label][side].append(cpu / n * 1e6)
             if reads.loader.calls:
                 raise RuntimeError(f"fc.do on cached keys ran the loader {reads.loader.calls}x")
         finally:
@@ -93,20 +103,17 @@ async def run(
     }
     for mode in MODES:
         result[mode] = {}
-        for label, (off, on) in PAIRS.items():
+        for label in PAIRS:
+            (off, on), (cpu_off, cpu_on) = rate[mode][label], cpu_us[mode][label]
             result[mode][label] = {
-                "ops_per_s_off": median(rate[mode][off]),
-                "ops_per_s_on": median(rate[mode][on]),
-                "ratio_on_off": median(
-                    [b / a for a, b in zip(rate[mode][off], rate[mode][on], strict=True)]
-                ),
-                "cpu_us_off": median(cpu_us[mode][off]),
-                "cpu_us_on": median(cpu_us[mode][on]),
-                "cpu_ratio_on_off": median(
-                    [b / a for a, b in zip(cpu_us[mode][off], cpu_us[mode][on], strict=True)]
-                ),
-                "samples_off": rate[mode][off],
-                "samples_on": rate[mode][on],
+                "ops_per_s_off": median(off),
+                "ops_per_s_on": median(on),
+                "ratio_on_off": median([b / a for a, b in zip(off, on, strict=True)]),
+                "cpu_us_off": median(cpu_off),
+                "cpu_us_on": median(cpu_on),
+                "cpu_ratio_on_off": median([b / a for a, b in zip(cpu_off, cpu_on, strict=True)]),
+                "samples_off": off,
+                "samples_on": on,
             }
     return result
 
@@ -129,5 +136,7 @@ def print_telemetry(t: dict[str, Any]) -> None:
                 f"  {r['ratio_on_off']:6.3f}   {r['cpu_us_off']:10.2f} {r['cpu_us_on']:6.2f}"
                 f"  {r['cpu_ratio_on_off']:6.3f}"
             )
-    worst = min(t[m][label]["ratio_on_off"] for m in MODES for label in PAIRS)
+    worst = min(
+        t[m][label]["ratio_on_off"] for m in MODES for label in PAIRS if "control" not in label
+    )
     print(f"   worst ops/s ratio on/off: {worst:.3f} (target >= 0.95)")
