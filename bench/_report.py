@@ -888,6 +888,12 @@ def print_sync(s: dict[str, Any]) -> None:
                 f"     {_sync.LABELS[name]:<42} {r['ops_per_s']:9.0f} {r['best_ops_per_s']:8.0f}"
                 f"  {r['ratio_to_raw']:9.2f}  {r['cpu_us_per_op']:9.1f}"
             )
+    trips = h.get("round_trips")
+    if trips:
+        print(
+            f"   round trips per fcs.do (stats commands): a miss {trips['miss']:.2f}, "
+            f"a hit {trips['hit']:.2f}"
+        )
     sc = st["config"]
     print(
         f"   stampede: {sc['processes']} processes x {sc['callers_per_process']} threads on one "

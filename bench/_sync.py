@@ -7,8 +7,11 @@ on a key each, in rounds that rotate the variants' order; ratios are taken withi
 - ``raw``: ``redis.Redis.from_url(url).get(key)`` (sync redis-py with hiredis): the baseline;
 - ``get``: ``fcs.get(key)``;
 - ``do``: ``fcs.do(key, loader)`` on a cached key (the loader must never run);
-- ``do-near``: the same on a cache with its near cache on (a diagnostic: what a hot key
-  costs when no round trip is needed, i.e. the thread hop alone).
+- ``do-near``: the same on a cache with its near cache on (a hot key: no round trip; the
+  copy is read in the calling thread).
+
+Round trips: ``stats["commands"]`` per ``fcs.do`` of fresh keys, a miss then a hit (the
+near cache off), one key at a time.
 
 Stampede: ``processes`` worker processes (``python -m bench._sync URL``, each one
 ``FlightCacheSync``) start ``callers`` threads each on one fresh key at one
@@ -141,6 +144,7 @@ def run_hits(
         if loader.calls:
             raise RuntimeError(f"fcs.do on cached keys ran the loader {loader.calls} times")
         stats_after = fcs.stats
+        trips = round_trips(fcs, loader)
     finally:
         fcs.close()
         near.close()
@@ -153,6 +157,7 @@ def run_hits(
             "threads": threads,
             "value_bytes": len(PAYLOAD),
         },
+        "round_trips": trips,
         "fc_stats_delta": {
             k: stats_after[k] - stats_before.get(k, 0)
             for k in stats_after
@@ -162,6 +167,21 @@ def run_hits(
     for mode in MODES:
         result[mode] = {name: figures(rate, cpu_us, mode, name) for name in VARIANTS}
     return result
+
+
+def round_trips(fcs: FlightCacheSync, loader: Loader, keys: int = 20) -> dict[str, float]:
+    """Commands per call (``stats["commands"]``: every round trip the client sends, from
+    the caller's thread or the loop's) for a miss and a hit of fresh keys, one at a time."""
+    run = uuid.uuid4().hex[:8]
+    fresh = [f"trips:{run}:{i}" for i in range(keys)]
+    before = fcs.stats["commands"]
+    for key in fresh:
+        fcs.do(key, loader, ttl=60)
+    middle = fcs.stats["commands"]
+    for key in fresh:
+        fcs.do(key, loader, ttl=60)
+    after = fcs.stats["commands"]
+    return {"miss": (middle - before) / keys, "hit": (after - middle) / keys}
 
 
 async def run_stampede(

@@ -7,6 +7,8 @@ Real servers, real threads. Each test names what would break it.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ from flightcache import (
     EmbeddedServer,
     FlightCacheSync,
     RemoteError,
+    Tuning,
 )
 from flightcache._keys import KeySpace
 from flightcache._syncread import FastPath
@@ -295,5 +298,28 @@ def test_an_unreachable_server_falls_open_through_the_loop(make_sync: Any) -> No
         assert fcs.do("k3", lambda: "alone too") == "alone too"
         assert time.monotonic() - started < 30.0
         assert fcs.stats["fail_open"] >= 1
+    finally:
+        server.stop()
+
+
+def test_a_frozen_server_bounds_the_callers_read_by_socket_timeout(make_sync: Any) -> None:
+    """The caller's thread reads on a blocking socket bounded by the kernel's timeouts
+    (SO_RCVTIMEO, socket_timeout): a server that stops answering fails the read there, and
+    the call goes to the loop thread, which fails open; nothing hangs."""
+    server = EmbeddedServer().start()
+    try:
+        fcs = opened(
+            make_sync(
+                server.url, near_cache=False, socket_timeout=1.0, tuning=Tuning(failover_s=1.0)
+            )
+        )
+        assert fcs.do("k", lambda: "v") == fcs.do("k", lambda: "not run") == "v"
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            thread, out = in_thread(lambda: fcs.do("k2", lambda: "alone"))
+            thread.join(30.0)
+            assert out == ["alone"], "the caller's read was not bounded"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
     finally:
         server.stop()
