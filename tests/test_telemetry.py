@@ -388,7 +388,8 @@ def test_the_sync_client_carries_the_callers_span(
     server: EmbeddedServer, namespace: str, otel: Otel
 ) -> None:
     """FlightCacheSync runs the engine on a loop thread of its own: the span of each call is
-    still a child of the calling thread's span, for do and stream alike."""
+    still a child of the calling thread's span, for do and stream alike (asyncio hands the
+    loop a copy of the calling thread's context with each call)."""
     app = otel.tracer_provider.get_tracer("app")
     with FlightCacheSync(server.url, namespace=namespace, near_cache=False) as fcs:
         instrument(fcs, tracer_provider=otel.tracer_provider)

@@ -61,7 +61,6 @@ from ._protocol.batch import BatchLoader
 from ._protocol.streaming import FlightStream
 from ._syncread import UNTAKEN
 from ._types import FlightInfo, Invalidation, Stats
-from .telemetry import carried, carry
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -292,7 +291,7 @@ class FlightCacheSync:
             not_found=not_found,
             tags=_listed(tags),
         )
-        return engine.run(carry(call), self._call_bound(timeout, lease))  # the caller's span
+        return engine.run(call, self._call_bound(timeout, lease))
 
     def do_many(
         self,
@@ -350,7 +349,7 @@ class FlightCacheSync:
                 key, job, ttl=ttl, lease=lease, timeout=timeout, refresh=refresh, store=store
             )
 
-        stream = engine.call(carried(open_stream), self._admin_bound)  # the caller's span
+        stream = engine.call(open_stream, self._admin_bound)
         return FlightStreamSync(engine, stream, self._call_bound(timeout, lease))
 
     def get(self, key: Any) -> Any:

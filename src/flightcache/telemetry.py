@@ -3,9 +3,10 @@
 
 With ``opentelemetry-api`` installed (the ``otel`` extra) every ``FlightCache`` reports to
 the global providers, with nothing to call: a span per ``do`` and per ``stream`` (a child of
-the caller's current span; ``FlightCacheSync`` carries the caller's context to its loop
-thread), and an observable counter per counter of ``fc.stats`` plus a histogram of
-followers' waits on the global ``MeterProvider``. Until the app configures a tracer
+the caller's current span, for ``FlightCacheSync`` too: asyncio runs each call it hands
+its loop thread in a copy of the calling thread's context), and an observable counter per
+counter of ``fc.stats`` plus a histogram of followers' waits on the global
+``MeterProvider``. Until the app configures a tracer
 provider no span is made at all, and a call pays what it pays with telemetry off (an open
 cache looks for a provider once a second meanwhile). Without the package nothing is
 imported and nothing recorded. ``instrument(fc, tracer_provider=..., meter_provider=...)``
@@ -313,45 +314,6 @@ async def flown(
             stats.follow_wait.observe(waited)
             if tel is not None:
                 tel.follow_waited(waited)
-
-
-def carry(coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
-    """``coro``, to run on another thread's loop under this thread's OpenTelemetry context
-    (``FlightCacheSync``): the span of the call it makes is a child of the caller's."""
-    api = _api
-    if api is None:
-        return coro
-    context = api.context.get_current()
-    if not context:
-        return coro
-    return _under(api, context, coro)
-
-
-async def _under(api: _Api, context: Any, coro: Coroutine[Any, Any, T]) -> T:
-    token = api.context.attach(context)
-    try:
-        return await coro
-    finally:
-        api.context.detach(token)
-
-
-def carried(fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn``, to call on another thread under this thread's OpenTelemetry context."""
-    api = _api
-    if api is None:
-        return fn
-    context = api.context.get_current()
-    if not context:
-        return fn
-
-    def run() -> T:
-        token = api.context.attach(context)
-        try:
-            return fn()
-        finally:
-            api.context.detach(token)
-
-    return run
 
 
 def instrument(
