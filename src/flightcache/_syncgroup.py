@@ -2,37 +2,67 @@
 
 The sync door's own single-flight table, in front of the engine's: the first thread to ask
 for a key leads (it sends the read, and hands a miss to the loop thread); the others wait on
-a lock of their own until the leader's call settles, and each decodes its own copy. When a
-flight ends, the loop thread releases every waiting thread's lock in one callback (a few
-microseconds each) instead of resuming one task per thread and waking each through a
-``concurrent.futures.Future`` of its own: the fan-out costs the loop almost nothing, and
-the woken threads only contend for the GIL among themselves.
+a lock of their own until the call settles, and each decodes its own copy. When it settles,
+the waiting threads are woken one after another, each by the one before it as soon as that
+one runs: the loop thread (or the leader) wakes the first only. Fifty threads woken at once
+would all contend for the GIL, with the loop thread among them; woken in a chain, only two
+threads want it at any moment, and the loop thread's part is one lock release.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 
 from ._errors import FlightTimeout
 
 
+class Waiter:
+    """One waiting thread's lock, and whether the chain reached it (``woken``) or it left
+    (``gone``), both under the group's ``baton``."""
+
+    __slots__ = ("gone", "lock", "woken")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.woken = False
+        self.gone = False
+
+
 class Group:
     """One key's call under way in this process, and the threads waiting for its outcome."""
 
-    __slots__ = ("digest", "outcome", "waiters")
+    __slots__ = ("baton", "digest", "outcome", "waiters")
 
     def __init__(self, digest: str) -> None:
         self.digest = digest
-        self.waiters: list[threading.Lock] = []
+        self.waiters: collections.deque[Waiter] = collections.deque()
         self.outcome: bytes | BaseException | None = None
+        self.baton = threading.Lock()
 
-    def wait(self, lock: threading.Lock, bound: float) -> bytes:
-        """The group's outcome (the stored bytes), waited for at most ``bound`` seconds;
-        ``lock`` was acquired and queued in ``waiters`` under the table's lock."""
-        if not lock.acquire(timeout=bound):  # no GIL held while blocked
+    def wake_next(self) -> None:
+        """Wake the next thread still waiting, if any."""
+        with self.baton:
+            while self.waiters:
+                waiter = self.waiters.popleft()
+                if not waiter.gone:
+                    waiter.woken = True
+                    waiter.lock.release()
+                    return
+
+    def wait(self, waiter: Waiter, bound: float) -> bytes:
+        """The group's outcome (the stored bytes), waited for at most ``bound`` seconds."""
+        if not waiter.lock.acquire(timeout=bound):  # no GIL held while blocked
+            with self.baton:
+                waiter.gone = True
+                woken = waiter.woken  # the chain reached it as it left: pass it on
+            if woken:
+                self.wake_next()
             raise FlightTimeout(
                 f"FlightCacheSync: no answer from the engine within {bound:g} s", key=self.digest
             )
+        self.wake_next()
         outcome = self.outcome
         if isinstance(outcome, BaseException):
             raise outcome
@@ -50,38 +80,36 @@ class Groups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def enter(self, digest: str) -> tuple[Group, threading.Lock | None]:
+    def enter(self, digest: str) -> tuple[Group, Waiter | None]:
         """The key's group, and None if this thread leads it (it must ``settle`` it), or
-        the acquired lock this thread waits on (``Group.wait``)."""
+        the waiter this thread waits as (``Group.wait``)."""
         with self._lock:
             group = self._groups.get(digest)
             if group is None:
                 group = self._groups[digest] = Group(digest)
                 return group, None
-            lock = threading.Lock()
-            lock.acquire()
-            group.waiters.append(lock)
-            return group, lock
+            waiter = Waiter()
+            group.waiters.append(waiter)
+            return group, waiter
 
-    def waiting(self, group: Group) -> threading.Lock:
-        """A lock for the leader to wait on once it handed its call to the loop thread
-        (released at once if the group was settled already)."""
-        lock = threading.Lock()
+    def waiting(self, group: Group) -> Waiter:
+        """A waiter for the leader, once it handed its call to the loop thread (woken at
+        once if the group was settled already)."""
+        waiter = Waiter()
         with self._lock:
             if group.outcome is None:
-                lock.acquire()
-                group.waiters.append(lock)
-        return lock
+                group.waiters.append(waiter)
+                return waiter
+        waiter.lock.release()
+        return waiter
 
     def settle(self, group: Group, outcome: bytes | BaseException) -> None:
-        """End the group: later callers start a read of their own; every waiter wakes.
-        Called once per group, by its leader or by the loop thread for it."""
+        """End the group: later callers start a read of their own; its threads wake, one
+        after another. Called once per group, by its leader or by the loop thread for it."""
         with self._lock:
             if self._groups.get(group.digest) is group:
                 del self._groups[group.digest]
             if group.outcome is not None:
                 return
             group.outcome = outcome
-            waiters, group.waiters = group.waiters, []
-        for lock in waiters:
-            lock.release()
+        group.wake_next()
