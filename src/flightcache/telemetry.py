@@ -262,23 +262,24 @@ class Call:
             self.api.context.detach(self._token)
         record, span = self.record, self.span
         role = record.role or (HIT if error is None and not abandoned else None)
+        attributes: dict[str, Any] = {"flightcache.outcome": self._outcome(error, abandoned)}
         if role is not None:
-            span.set_attribute("flightcache.role", role)
+            attributes["flightcache.role"] = role
         if role in (OWNER, TAKEOVER):
-            span.set_attribute("flightcache.token", record.token)
-            span.set_attribute("flightcache.attempt", record.attempt)
+            attributes["flightcache.token"] = record.token
+            attributes["flightcache.attempt"] = record.attempt
         waited = record.waited_s
         if role == COALESCED or (role == FOLLOWER and self.kind == "flightcache.stream"):
             waited = (record.first_at or time.monotonic()) - self._started
         if waited is not None:
-            span.set_attribute("flightcache.wait_ms", round(waited * 1000, 3))
+            attributes["flightcache.wait_ms"] = round(waited * 1000, 3)
         if self.near:
-            span.set_attribute("flightcache.near_cache", True)
-        span.set_attribute("flightcache.outcome", self._outcome(error, abandoned))
+            attributes["flightcache.near_cache"] = True
         if error is not None and not isinstance(error, asyncio.CancelledError):
-            span.set_attribute("error.type", type(error).__qualname__)
+            attributes["error.type"] = type(error).__qualname__
             span.record_exception(error)
             span.set_status(self.api.Status(self.api.StatusCode.ERROR, type(error).__qualname__))
+        span.set_attributes(attributes)  # one call: the SDK takes a lock for each
         span.end()
 
     def _outcome(self, error: BaseException | None, abandoned: bool) -> str:
