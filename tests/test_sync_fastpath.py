@@ -21,10 +21,12 @@ from flightcache import (
     MISSING,
     EmbeddedServer,
     FlightCacheSync,
+    FlightTimeout,
     RemoteError,
     Tuning,
 )
 from flightcache._keys import KeySpace
+from flightcache._syncgroup import Groups
 from flightcache._syncread import FastPath
 
 SLOW_S = 10.0  # generous bound for what must be quick; leases below are 30 s
@@ -323,3 +325,37 @@ def test_a_frozen_server_bounds_the_callers_read_by_socket_timeout(make_sync: An
             os.kill(server.pid, signal.SIGCONT)
     finally:
         server.stop()
+
+
+def test_a_thread_that_left_on_its_bound_does_not_break_the_wake_chain() -> None:
+    """Waiting threads are woken one by the other; one that left (its bound passed) is
+    skipped, so the threads after it still wake."""
+    groups = Groups()
+    group, leader = groups.enter("d")
+    assert leader is None
+    outs: list[Any] = []
+
+    def wait(bound: float) -> None:
+        joined, waiter = groups.enter("d")
+        assert joined is group and waiter is not None
+        try:
+            outs.append(group.wait(waiter, bound))
+        except FlightTimeout:
+            outs.append("left")
+
+    threads = []
+    for i, bound in enumerate((SLOW_S, 0.05, SLOW_S)):
+        thread = threading.Thread(target=wait, args=(bound,), daemon=True)
+        thread.start()
+        threads.append(thread)
+        deadline = time.monotonic() + SLOW_S
+        while len(group.waiters) < i + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    threads[1].join(SLOW_S)
+    assert outs == ["left"]
+    groups.settle(group, b"v")
+    for thread in threads:
+        thread.join(SLOW_S)
+    assert outs == ["left", b"v", b"v"]
+    assert len(groups) == 0
