@@ -5,7 +5,9 @@ loop of its own, in a daemon thread it owns; each blocking method hands its call
 loop and waits for the answer on a ``concurrent.futures.Future`` (the waiting thread holds
 no GIL). There is no second protocol implementation: sync and async processes share
 flights, results and near-cache invalidations, and threads of one process coalesce in the
-engine's single-flight table exactly as coroutines do.
+engine's single-flight table exactly as coroutines do. On one plain server, ``do`` and
+``get`` first read in the calling thread (``_syncread.py``: the engine's own join, on a
+sync connection pool), and hop to the loop only when that read is not a hit.
 
 - A plain loader runs in a worker thread of the engine's pool, with a copy of the caller's
   context variables, while the loop renews its lease: a sync loader may block. A thread
