@@ -328,8 +328,8 @@ def test_a_frozen_server_bounds_the_callers_read_by_socket_timeout(make_sync: An
 
 
 def test_a_thread_that_left_on_its_bound_does_not_break_the_wake_chain() -> None:
-    """Waiting threads are woken one by the other; one that left (its bound passed) is
-    skipped, so the threads after it still wake."""
+    """Waiting threads are woken a few ahead, each by one before it; those that left
+    (their bound passed) are skipped, so the threads after them still wake."""
     groups = Groups()
     group, leader = groups.enter("d")
     assert leader is None
@@ -344,7 +344,7 @@ def test_a_thread_that_left_on_its_bound_does_not_break_the_wake_chain() -> None
             outs.append("left")
 
     threads = []
-    for i, bound in enumerate((SLOW_S, 0.05, SLOW_S)):
+    for i, bound in enumerate((SLOW_S, 0.05, 0.05, 0.05, SLOW_S)):
         thread = threading.Thread(target=wait, args=(bound,), daemon=True)
         thread.start()
         threads.append(thread)
@@ -352,10 +352,11 @@ def test_a_thread_that_left_on_its_bound_does_not_break_the_wake_chain() -> None
         while len(group.waiters) < i + 1:
             assert time.monotonic() < deadline
             time.sleep(0.001)
-    threads[1].join(SLOW_S)
-    assert outs == ["left"]
+    for thread in threads[1:4]:
+        thread.join(SLOW_S)
+    assert outs == ["left"] * 3
     groups.settle(group, b"v")
     for thread in threads:
         thread.join(SLOW_S)
-    assert outs == ["left", b"v", b"v"]
+    assert outs == ["left"] * 3 + [b"v", b"v"]
     assert len(groups) == 0

@@ -3,10 +3,12 @@
 The sync door's own single-flight table, in front of the engine's: the first thread to ask
 for a key leads (it sends the read, and hands a miss to the loop thread); the others wait on
 a lock of their own until the call settles, and each decodes its own copy. When it settles,
-the waiting threads are woken one after another, each by the one before it as soon as that
-one runs: the loop thread (or the leader) wakes the first only. Fifty threads woken at once
-would all contend for the GIL, with the loop thread among them; woken in a chain, only two
-threads want it at any moment, and the loop thread's part is one lock release.
+the waiting threads are woken a few at a time: the loop thread (or the leader) wakes the
+first ``AHEAD``, and each woken thread, as soon as it runs, wakes the next, keeping
+``AHEAD`` woken ahead of it. The loop thread's part is a lock release or two, not one task
+and one ``concurrent.futures.Future`` per thread; fifty threads released at once would all
+contend for the GIL with the loop thread among them, and a strict chain (one ahead) stalls
+whenever its next thread is slow to be scheduled.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import collections
 import threading
 
 from ._errors import FlightTimeout
+
+AHEAD = 2  # threads woken ahead of the running one: one late to run does not stall the rest
 
 
 class Waiter:
@@ -33,23 +37,27 @@ class Waiter:
 class Group:
     """One key's call under way in this process, and the threads waiting for its outcome."""
 
-    __slots__ = ("baton", "digest", "outcome", "waiters")
+    __slots__ = ("baton", "digest", "outcome", "waiters", "woken")
 
     def __init__(self, digest: str) -> None:
         self.digest = digest
         self.waiters: collections.deque[Waiter] = collections.deque()
         self.outcome: bytes | BaseException | None = None
         self.baton = threading.Lock()
+        self.woken = 0  # threads woken that have not run yet
 
-    def wake_next(self) -> None:
-        """Wake the next thread still waiting, if any."""
+    def wake_next(self, ran: bool) -> None:
+        """Keep ``AHEAD`` threads woken ahead of the ones running (``ran``: the caller is
+        one of those woken, and runs now)."""
         with self.baton:
-            while self.waiters:
+            if ran:
+                self.woken -= 1
+            while self.woken < AHEAD and self.waiters:
                 waiter = self.waiters.popleft()
                 if not waiter.gone:
                     waiter.woken = True
                     waiter.lock.release()
-                    return
+                    self.woken += 1
 
     def wait(self, waiter: Waiter, bound: float) -> bytes:
         """The group's outcome (the stored bytes), waited for at most ``bound`` seconds."""
@@ -58,11 +66,11 @@ class Group:
                 waiter.gone = True
                 woken = waiter.woken  # the chain reached it as it left: pass it on
             if woken:
-                self.wake_next()
+                self.wake_next(ran=True)
             raise FlightTimeout(
                 f"FlightCacheSync: no answer from the engine within {bound:g} s", key=self.digest
             )
-        self.wake_next()
+        self.wake_next(ran=waiter.woken)  # (not woken by the chain: a leader too late)
         outcome = self.outcome
         if isinstance(outcome, BaseException):
             raise outcome
@@ -112,4 +120,4 @@ class Groups:
             if group.outcome is not None:
                 return
             group.outcome = outcome
-        group.wake_next()
+        group.wake_next(ran=False)
