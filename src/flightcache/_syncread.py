@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 PLAIN = ("redis://", "rediss://", "unix://")  # one server, addressed directly
 SUSPEND_S = 1.0  # after a connection failure here, calls take the loop thread for this long
-MEMO = 10_000  # keys whose digest, keys and options are remembered (emptied when full)
+MEMO = 10_000  # string keys whose digest is remembered (emptied when full)
+CALL_MEMO = 2_000  # keys whose flight keys, options and encoded join are (about 4 KB each)
 JOIN = LUA["join_flight"]
 READ = LUA["read_result"]
 # A key's flight keys, a call's options, and its join's arguments as last encoded.
@@ -193,7 +194,7 @@ class FastPath:
         memo = (digest, ttl, lease, timeout, store)
         known = self._calls.get(memo)
         if known is None:
-            if len(self._calls) >= MEMO:
+            if len(self._calls) >= CALL_MEMO:
                 self._calls.clear()
             opts = self.cache._options(canonical(key), ttl, lease, timeout, False, store)
             known = self._calls[memo] = (self.keyspace.for_digest(digest), opts, [])
