@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -360,3 +363,25 @@ def test_a_thread_that_left_on_its_bound_does_not_break_the_wake_chain() -> None
         thread.join(SLOW_S)
     assert outs == ["left"] * 3 + [b"v", b"v"]
     assert len(groups) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's struct timeval")
+def test_a_unix_socket_server_has_the_fast_path_with_kernel_timeouts(
+    make_sync: Any, tmp_path: Any
+) -> None:
+    path = str(tmp_path / "valkey.sock")
+    server = EmbeddedServer(extra_args=("--unixsocket", path, "--unixsocketperm", "700"))
+    server.start()
+    try:
+        fcs = opened(make_sync(f"unix://{path}?db=0", near_cache=False, socket_timeout=2.5))
+        fast = fast_of(fcs)
+        before = fcs.stats
+        assert fcs.do("k", lambda: "v") == fcs.do("k", lambda: "not run") == "v"
+        assert delta(before, fcs.stats)["commands"] == 3  # join + complete; join
+        (conn,) = fast.link._idle
+        sock = conn._sock
+        assert sock.gettimeout() is None  # blocking: no poll before each send and receive
+        limit = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+        assert struct.unpack("ll", limit) == (2, 500_000)
+    finally:
+        server.stop()
