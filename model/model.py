@@ -162,14 +162,17 @@ class Model:
 
     def _overdue(self, world: World) -> tuple[str, ...]:
         """returns_within_wait_bound: time passes while a running process's call is past
-        its bound (a caller waiting: its deadline; an owner: its loader's timeout + grace).
+        its bound (a caller waiting for its flight's events: its deadline; an owner running
+        its loader: the loader's timeout + grace).
         The time a process spends paused is not counted (the code's clock counts it, so
         the call ends as soon as it resumes)."""
         why = []
         for pid, p in enumerate(world.procs):
             if not p.alive or p.paused or p.pc == "idle":
                 continue
-            if p.due == 0 and p.pc in ("follow", "sleep", "join"):
+            # A caller that is joining ("join", "sleep") has an urgent step: time passes then
+            # only when the scope's bound on flights cut that step off (the path ends).
+            if p.due == 0 and p.pc == "follow":
                 why.append(
                     f"returns_within_wait_bound: p{pid} still waits ({p.pc}) past its wait "
                     f"bound of {self.bounds[pid][0]} ticks"
