@@ -56,9 +56,15 @@ class SyncLink:
         self.pid = os.getpid()
 
     def call(self, packed: bytes) -> Any:
-        """One command's reply. A reused connection that fails at once (closed while it
-        sat idle) is dropped and the command sent once more on a fresh one (every script
-        is safe to send twice, docs/protocol.md); other failures are raised."""
+        """One command's reply (``timed``)."""
+        return self.timed(packed)[0]
+
+    def timed(self, packed: bytes) -> tuple[Any, float]:
+        """One command's reply, and when it was written (``time.monotonic``: after any wait
+        for a connection, so a lease the reply grants is counted from no earlier than the
+        server could have started it, and no later). A reused connection that fails at once
+        (closed while it sat idle) is dropped and the command sent once more on a fresh one
+        (every script is safe to send twice, docs/protocol.md); other failures are raised."""
         conn = self._take()
         reused = conn is not None
         for attempt in (0, 1):
@@ -87,7 +93,7 @@ class SyncLink:
                 self._drop()
                 raise
             self._keep(conn)
-            return reply
+            return reply, sent
         raise AssertionError("unreachable")
 
     def _connect(self) -> Any:

@@ -211,20 +211,21 @@ class FastPath:
             return None
         return entry[1]
 
-    def _join(self, call: Call, claim_id: str) -> Any:
-        """The reply of the call's ``join_flight`` (None: no answer; the loop sends it
-        again with the same claim id, and maps the failure as for any join)."""
+    def _join(self, call: Call, claim_id: str) -> tuple[Any, float]:
+        """The reply of the call's ``join_flight`` and when it was written (None: no
+        answer; the loop sends it again with the same claim id, and maps the failure as for
+        any join)."""
         fk, opts, last = call
         keys, args = self.flights._join_call(fk, opts, "always", False, b"", claim_id)
         try:
-            return self.link.call(self.packer.evalsha(keys, args, last))
+            return self.link.timed(self.packer.evalsha(keys, args, last))
         except Busy:
-            return None
+            pass
         except (rexc.ConnectionError, rexc.TimeoutError, OSError):
             self._suspended_until = time.monotonic() + SUSPEND_S
-            return None
         except rexc.RedisError:  # NOSCRIPT, WRONGTYPE, OOM...: the loop's join answers it
-            return None
+            pass
+        return None, 0.0
 
     # -- do ------------------------------------------------------------------------------
 
@@ -286,9 +287,8 @@ class FastPath:
         fk, opts, _ = call
         claim_id = f"{self._claim_prefix}{next(self._claims):x}"
         leaser = self.leaser
-        heard: Any = leaser.heard() if leaser is not None else None  # as of the send
-        sent = self.flights.clock()
-        reply = self._join(call, claim_id)
+        heard: Any = leaser.heard() if leaser is not None else None  # before the send
+        reply, sent = self._join(call, claim_id)
         self.counts.command()
         if reply is not None and reply[0] == HIT and reply[1][:1] != TAGGED_TAG:
             # The hot path, read without building a State (state_of's HIT, join_flight.lua:
@@ -410,14 +410,13 @@ class FastPath:
             return self.envelope.decode(data, key=digest)
         fk = self.keyspace.for_digest(digest)
         leaser = self.leaser
-        heard: Any = leaser.heard() if leaser is not None else None
-        sent = time.monotonic()
+        heard: Any = leaser.heard() if leaser is not None else None  # before the send
         try:
             if leaser is None:
                 data = self.link.call(pack_command(b"GET", fk.result))
-                ttl_left_ms, leasable = 0, False
+                sent, ttl_left_ms, leasable = 0.0, 0, False
             else:
-                data, ttl_left, marked, _ = self.link.call(
+                (data, ttl_left, marked, _), sent = self.link.timed(
                     pack_command(b"EVALSHA", READ.sha, 3, fk.result, fk.marker, fk.cost)
                 )
                 ttl_left_ms, leasable = int(ttl_left), not int(marked)
