@@ -385,3 +385,47 @@ def test_a_unix_socket_server_has_the_fast_path_with_kernel_timeouts(
         assert struct.unpack("ll", limit) == (2, 500_000)
     finally:
         server.stop()
+
+
+def test_a_leader_interrupted_mid_read_leaves_the_call_to_the_loop_for_the_others(
+    make_sync: Any,
+) -> None:
+    """Ctrl-C in the thread whose join is on the wire (it ran: it claimed) stops that
+    thread only: the loop sends the join again with the same claim id, finds the claim,
+    runs the loader once, and the other threads of the group get its value."""
+    fcs = opened(make_sync(near_cache=False))
+    fast = fast_of(fcs)
+    digest = fast._digest("k")
+    real = fast.link.timed
+    interrupted: list[bool] = []
+
+    def timed(packed: bytes) -> Any:
+        answer = real(packed)
+        if not interrupted:
+            interrupted.append(True)
+            deadline = time.monotonic() + SLOW_S
+            while not fast.groups._groups[digest].waiters:  # another thread waits on it
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            raise KeyboardInterrupt
+        return answer
+
+    fast.link.timed = timed  # type: ignore[method-assign]
+    runs: list[int] = []
+
+    def loader() -> str:
+        runs.append(1)
+        return "v"
+
+    leading, leader_out = in_thread(lambda: fcs.do("k", loader))
+    deadline = time.monotonic() + SLOW_S
+    while len(fast.groups) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    waiting, waiter_out = in_thread(lambda: fcs.do("k", loader))
+    leading.join(SLOW_S)
+    waiting.join(SLOW_S)
+    assert len(leader_out) == 1 and isinstance(leader_out[0], KeyboardInterrupt)
+    assert waiter_out == ["v"], "the interrupt reached the other thread of the group"
+    assert runs == [1]
+    assert fcs.do("k", lambda: "not run") == "v"

@@ -37,7 +37,7 @@ class Waiter:
 class Group:
     """One key's call under way in this process, and the threads waiting for its outcome."""
 
-    __slots__ = ("baton", "digest", "outcome", "waiters", "woken")
+    __slots__ = ("baton", "digest", "handed", "outcome", "waiters", "woken")
 
     def __init__(self, digest: str) -> None:
         self.digest = digest
@@ -45,6 +45,7 @@ class Group:
         self.outcome: bytes | BaseException | None = None
         self.baton = threading.Lock()
         self.woken = 0  # threads woken that have not run yet
+        self.handed = False  # the call went to the loop thread, which settles the group
 
     def wake_next(self, ran: bool) -> None:
         """Keep ``AHEAD`` threads woken ahead of the ones running (``ran``: the caller is

@@ -274,7 +274,8 @@ class FastPath:
 
             data = self._lead(group, call, make_job)
         except BaseException as exc:
-            self.groups.settle(group, exc)
+            if not group.handed:  # else the loop settles it, for the threads still waiting
+                self.groups.settle(group, exc)
             raise
         if data is not None:
             self.groups.settle(group, data)
@@ -288,7 +289,13 @@ class FastPath:
         claim_id = f"{self._claim_prefix}{next(self._claims):x}"
         leaser = self.leaser
         heard: Any = leaser.heard() if leaser is not None else None  # before the send
-        reply, sent = self._join(call, claim_id)
+        try:
+            reply, sent = self._join(call, claim_id)
+        except BaseException:  # interrupted (Ctrl-C) mid-read: the join may have claimed
+            # The loop sends it again with the same claim id and runs the flight for the
+            # other threads of the group (and the cache); this thread leaves.
+            self._hand_off(group, self._continue(fk, opts, Handle(fk.digest, claim_id), make_job))
+            raise
         self.counts.command()
         if reply is not None and reply[0] == HIT and reply[1][:1] != TAGGED_TAG:
             # The hot path, read without building a State (state_of's HIT, join_flight.lua:
@@ -320,6 +327,7 @@ class FastPath:
         except RuntimeError:  # the loop was closed by another thread's close()
             work.close()
             raise FlightError("this FlightCacheSync is closed") from None
+        group.handed = True
 
         def settle(done: concurrent.futures.Future[bytes]) -> None:
             if done.cancelled():
