@@ -710,7 +710,8 @@ def print_scale(k: dict[str, Any]) -> None:
     )
     print(
         f"     reference: a bare stream of one entry takes {mem['bare_one_entry_stream_bytes']} B"
-        f" (stream-node-max-bytes {mem['stream_node_max_bytes']})"
+        f" (stream-node-max-bytes {mem['stream_node_max_bytes']}); at the servers' default "
+        f"(4096) a flight would take {mem['bytes_per_flight_at_default_node_bytes']:.0f} B"
     )
     ms = k["misses"]
     c = ms["config"]
@@ -812,7 +813,9 @@ def scale_key_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:
         ),
         _target(
             f"server memory per in-flight key <= {FLIGHT_BYTES_TARGET} B",
-            f"{mem:.0f} B (stream {m['memory']['by_key']['stream']:.0f} B)",
+            f"{mem:.0f} B (stream {m['memory']['by_key']['stream']:.0f} B, stream-node-max-bytes"
+            f" {m['memory']['stream_node_max_bytes']}; at the default 4096: "
+            f"{m['memory']['bytes_per_flight_at_default_node_bytes']:.0f} B)",
             mem,
             mem <= FLIGHT_BYTES_TARGET,
         ),

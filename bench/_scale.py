@@ -191,12 +191,17 @@ async def _memory(ctl: aioredis.Redis, namespace: str, prefix: str, keys: int) -
                 total[part] += int(used)
                 present[part] += 1
     per_flight = {part: total[part] / keys for part in MEMORY_KEYS}
-    # The reference: a bare stream of one small entry, and the setting that sizes its node.
-    scratch = f"{namespace}:bench-bare-stream"
-    await ctl.xadd(scratch, {"t": "claimed"})
-    bare = await ctl.memory_usage(scratch, samples=0)
-    await ctl.delete(scratch)
+    # The reference: a bare stream of one small entry, and the setting that sizes its node;
+    # and the same at the servers' default node size (4 KiB), to say what a flight's stream
+    # costs on a server left at its default.
     node_bytes = (await ctl.config_get("stream-node-max-bytes")).get("stream-node-max-bytes")
+    bare = await _bare_stream(ctl, f"{namespace}:bench-bare-stream")
+    await ctl.config_set("stream-node-max-bytes", DEFAULT_NODE_BYTES)
+    try:
+        bare_default = await _bare_stream(ctl, f"{namespace}:bench-bare-stream")
+    finally:
+        await ctl.config_set("stream-node-max-bytes", node_bytes)
+    at_default = sum(per_flight.values()) + (bare_default - bare) * present["stream"] / keys
     return {
         "flights": keys,
         "bytes_per_flight": sum(per_flight.values()),
@@ -204,7 +209,18 @@ async def _memory(ctl: aioredis.Redis, namespace: str, prefix: str, keys: int) -
         "keys_present": dict(present),
         "bare_one_entry_stream_bytes": bare,
         "stream_node_max_bytes": int(node_bytes) if node_bytes is not None else None,
+        "bytes_per_flight_at_default_node_bytes": at_default,
     }
+
+
+DEFAULT_NODE_BYTES = 4096  # stream-node-max-bytes as Redis and Valkey ship
+
+
+async def _bare_stream(ctl: aioredis.Redis, scratch: str) -> int:
+    await ctl.xadd(scratch, {"t": "claimed"})
+    bare = int(await ctl.memory_usage(scratch, samples=0))
+    await ctl.delete(scratch)
+    return bare
 
 
 async def _wait_joined(follower: Worker, keys: int, until: float) -> dict[str, Any]:

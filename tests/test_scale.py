@@ -283,3 +283,116 @@ async def test_an_idle_node_costs_the_server_at_most_one_command_a_second(
     ours = {k: v["calls"] for k, v in stats.items() if k not in ("cmdstat_info",)}
     ours.pop("cmdstat_config|resetstat", None)
     assert sum(ours.values()) / elapsed <= 1.0, ours
+
+
+def _conn_of(fc: FlightCache) -> Any:
+    parts = fc._parts
+    assert parts is not None
+    return parts.redis_flights[0].conn
+
+
+@pytest.mark.timeout(120)
+async def test_a_burst_of_5000_owned_flights_keeps_every_lease(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """5,000 calls on distinct keys started at once in one process (lease 3 s, loaders 4 s):
+    the joins past the pool ride the convoy, each lease counts from its claim's write, and
+    the renewals run on a thread of their own, so every loader runs once and no lease is
+    lost. (With renewals on the event loop and leases counted from the call, 5,000 at once
+    lost leases and 10,000 never finished: docs/protocol.md, "Batched renewals".)"""
+    fc = FlightCache(private_server.url, namespace=namespace, lease=3.0, near_cache=False)
+    try:
+        await fc.get("warm-up")
+
+        async def loader(i: int) -> int:
+            await asyncio.sleep(4.0)
+            return i
+
+        def call(i: int) -> Any:
+            async def load() -> int:
+                return await loader(i)
+
+            return fc.do(f"k{i}", load)
+
+        values = await asyncio.gather(*(call(i) for i in range(5000)))
+        convoy = _conn_of(fc)._convoy
+    finally:
+        await fc.aclose()
+    assert values == list(range(5000))
+    assert fc.stats["lease_lost"] == 0
+    assert fc.stats["loader_runs"] == 5000
+    assert convoy.batches > 0  # the burst went past the pool: the convoy carried it
+
+
+async def test_a_busy_event_loop_that_still_turns_keeps_its_leases(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """Once two loaders run, the loop is kept busy in 0.6 s slices of synchronous work for
+    3.5 s, with a 1.5 s lease: a renewal that needed a few turns of such a loop would come
+    after the lease (a renewal is due 1 s before it ends). On their own thread the renewals
+    go on, because the loop still turns (pulses) well within 2/3 of the lease. (It fails
+    with the renewals on the loop.)"""
+    fc = FlightCache(private_server.url, namespace=namespace, lease=1.5, near_cache=False)
+    try:
+        await fc.get("warm-up")
+        running: list[int] = []
+        both = asyncio.Event()
+
+        async def loader() -> str:
+            running.append(1)
+            if len(running) == 2:
+                both.set()
+            await asyncio.sleep(4.0)
+            return "v"
+
+        async def hog() -> None:  # once both loaders run (and their leases are registered)
+            await both.wait()
+            end = time.monotonic() + 3.5
+            while time.monotonic() < end:
+                time.sleep(0.6)  # noqa: ASYNC251 (the point: a loop busy between turns)
+                await asyncio.sleep(0)
+
+        values = await asyncio.gather(fc.do("a", loader), fc.do("b", loader), hog())
+    finally:
+        await fc.aclose()
+    assert values[:2] == ["v", "v"]
+    assert fc.stats["lease_lost"] == 0
+    assert fc.stats["loader_runs"] == 2
+
+
+async def test_calls_past_a_full_pool_ride_together_and_none_fails(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """With 4 connections, 1,000 misses at once: the calls that find every connection busy
+    wait in the convoy and go out together (far fewer writes than calls), every one is
+    answered, and the process never holds more connections than it may (its pool of 4, the
+    listener, and the renewals' own connection)."""
+    admin = redis.Redis.from_url(private_server.url)
+    fc = FlightCache(private_server.url, namespace=namespace, near_cache=False, max_connections=4)
+    try:
+        await fc.get("warm-up")
+        peak = 0
+
+        async def loader() -> str:
+            await asyncio.sleep(0.5)
+            return "v"
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                names = [c.get("name", "") for c in admin.client_list()]
+                peak = max(peak, sum(n.startswith("flightcache:") for n in names))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            values = await asyncio.gather(*(fc.do(f"k{i}", loader) for i in range(1000)))
+        finally:
+            watcher.cancel()
+        convoy = _conn_of(fc)._convoy
+    finally:
+        await fc.aclose()
+        admin.close()
+    assert values == ["v"] * 1000
+    assert 0 < convoy.batches < 200  # 200 calls a write at most: 2,000 calls in > 10 writes
+    assert 0 < peak <= 4 + 1 + 1, peak

@@ -173,17 +173,17 @@ def resent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, Any, Any
     does when a reply is lost; the second reply is the one the library gets. Records
     (script, first reply, second reply)."""
     calls: list[tuple[str, Any, Any]] = []
-    original = RedisConnection.script
+    original = RedisConnection.script_timed  # (what RedisConnection.script calls too)
 
     async def twice(self: RedisConnection, lua: Any, fk: Any, keys: Any, args: Any) -> Any:
-        first = await original(self, lua, fk, keys, args)
+        first, waited = await original(self, lua, fk, keys, args)
         if lua.name not in ("join_flight", "confirm_claim"):
-            return first
-        again = await original(self, lua, fk, keys, args)
+            return first, waited
+        again, _ = await original(self, lua, fk, keys, args)
         calls.append((lua.name, first, again))
-        return again
+        return again, waited  # (the lease counts from the first: the earlier write)
 
-    monkeypatch.setattr(RedisConnection, "script", twice)
+    monkeypatch.setattr(RedisConnection, "script_timed", twice)
     yield calls
 
 

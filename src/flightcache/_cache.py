@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
@@ -157,7 +158,7 @@ class FlightCache(Engine):
                 job.record = record or CallRecord()
                 if names:
                     job.tag(names, self._gate())
-                work = self._local.fly(front, fk, job, opts, handle)
+                work = functools.partial(self._local.fly, front, fk, job, opts, handle)
                 return flown(self._stats, self._tel, job.record, work)
 
             data, hit = await self._local.call(

@@ -301,13 +301,18 @@ class Call:
 
 
 async def flown(
-    stats: Stats, tel: Telemetry | None, record: CallRecord, work: Coroutine[Any, Any, T]
+    stats: Stats,
+    tel: Telemetry | None,
+    record: CallRecord,
+    work: Callable[[], Coroutine[Any, Any, T]],
 ) -> T:
-    """A ``do`` flight of this process, run: whether it fell open, and a follower's wait,
-    noted in ``record`` and counted in the follow-wait histograms."""
+    """A ``do`` flight of this process, ``work()``, run: whether it fell open, and a
+    follower's wait, noted in ``record`` and counted in the follow-wait histograms. (The
+    flight's coroutine is made here: a task cancelled before it started leaves none behind
+    never awaited.)"""
     fell = stats.fail_open
     try:
-        return await work
+        return await work()
     finally:
         record.fail_open = stats.fail_open != fell
         waited = record.answered()

@@ -27,27 +27,51 @@ class BoundedPool(aioredis.ConnectionPool):
     a timer for every read and a Task for every write (about 10 us of CPU per command on
     Python 3.11, as much as the rest of a cache hit). Blocking commands (XREAD BLOCK) use a
     pool without the sweeper and redis-py's socket timeout instead.
+
+    ``lane`` of the ``max_connections`` are kept for the calls that must never queue behind
+    the others (an owner's lease renewals, the node's liveness): ``get_connection(lane=True)``
+    takes one of those, and :meth:`lane_view` is a pool for a client that uses only them.
     """
 
-    def __init__(self, *, wait_timeout: float, op_timeout: float | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        wait_timeout: float,
+        op_timeout: float | None = None,
+        lane: int = 0,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
-        self._slots = asyncio.Semaphore(self.max_connections)
+        lane = min(lane, self.max_connections - 1)  # at least one for everything else
+        self._slots = asyncio.Semaphore(self.max_connections - lane)
+        self._lane = asyncio.Semaphore(lane) if lane > 0 else None
         self._wait_timeout = wait_timeout
         self._op_timeout = op_timeout
-        self._out: dict[int, tuple[Any, float]] = {}  # id -> (connection, checked out at)
+        # id -> (connection, checked out at, the semaphore it was taken from)
+        self._out: dict[int, tuple[Any, float, asyncio.Semaphore]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if self._slots.locked():
+    @property
+    def saturated(self) -> bool:
+        """Whether every connection for ordinary calls is in use (a call would wait)."""
+        return self._slots.locked()
+
+    def lane_view(self) -> LaneView:
+        """This pool as seen by a client that must use only the reserved lane."""
+        return LaneView(self)
+
+    async def get_connection(self, *args: Any, lane: bool = False, **kwargs: Any) -> Any:
+        slots = self._lane if lane and self._lane is not None else self._slots
+        if slots.locked():
             try:
-                await asyncio.wait_for(self._slots.acquire(), self._wait_timeout)
+                await asyncio.wait_for(slots.acquire(), self._wait_timeout)
             except asyncio.TimeoutError as exc:
                 raise rexc.MaxConnectionsError(
                     f"all {self.max_connections} connections stayed busy for "
                     f"{self._wait_timeout:g} s (raise max_connections?)"
                 ) from exc
         else:
-            await self._slots.acquire()
+            await slots.acquire()
         try:
             if self._op_timeout is not None and not self._idle_connected():
                 # A new connection's handshake (HELLO, CLIENT SETNAME) reads with no socket
@@ -60,14 +84,14 @@ class BoundedPool(aioredis.ConnectionPool):
             else:
                 connection = await super().get_connection()  # type: ignore[no-untyped-call]
         except asyncio.TimeoutError as exc:
-            self._slots.release()
+            slots.release()
             raise rexc.ConnectionError(
                 f"connecting took longer than {self._op_timeout:g} s"
             ) from exc
         except BaseException:
-            self._slots.release()
+            slots.release()
             raise
-        self._out[id(connection)] = (connection, time.monotonic())
+        self._out[id(connection)] = (connection, time.monotonic(), slots)
         if self._op_timeout is not None and self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(self._op_timeout))
         return connection
@@ -81,14 +105,15 @@ class BoundedPool(aioredis.ConnectionPool):
         try:
             await super().release(connection)
         finally:
-            if self._out.pop(id(connection), None) is not None:
-                self._slots.release()
+            out = self._out.pop(id(connection), None)
+            if out is not None:
+                out[2].release()
 
     async def _sweep(self, limit: float) -> None:
         while True:
             await asyncio.sleep(limit / 4)  # sweep interval: one timer for the pool
             now = time.monotonic()
-            for connection, since in list(self._out.values()):
+            for connection, since, _slots in list(self._out.values()):
                 if now - since > limit:
                     log.warning("a Redis command ran past %g s; disconnecting it", limit)
                     await connection.disconnect(nowait=True)
@@ -102,6 +127,23 @@ class BoundedPool(aioredis.ConnectionPool):
                 await self._sweeper
             self._sweeper = None
         await super().disconnect(inuse_connections)
+
+
+class LaneView:
+    """A :class:`BoundedPool` seen through its reserved lane: what a redis-py client made on
+    it checks out comes from the lane's connections; everything else is the pool's own."""
+
+    def __init__(self, pool: BoundedPool) -> None:
+        self._pool = pool
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._pool.get_connection(lane=True)
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        return None  # the pool is closed by its owner, not by a view of it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 
 class SentinelPool(BoundedPool, SentinelConnectionPool):

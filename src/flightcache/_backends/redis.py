@@ -22,6 +22,8 @@ from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
+from .convoy import STALE_S, Convoy, send_calls
+from .lane import SyncLane
 from .listener import Listener, keepalive
 from .pools import BoundedPool, SentinelPool
 from .scripts import Script, pack_command
@@ -32,7 +34,9 @@ T = TypeVar("T")
 log = logging.getLogger("flightcache.redis")
 
 CLUSTER_SCHEME = "redis+cluster://"
-STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
+# Connections of the pool (of each node's, on a Cluster) kept for the calls that must never
+# queue behind the others: an owner's lease renewals and the node's liveness.
+LANE = 2
 
 
 class RedisConnection:
@@ -62,6 +66,7 @@ class RedisConnection:
         self.safe_url = safe_url(url)
         self.stats = stats
         self.socket_timeout = socket_timeout
+        self._made = (connect_timeout, client_name)
         self.cluster: Any = None
         self.sentinel: SentinelURL | None = None
         self._sentinels: Sentinel | None = None
@@ -69,6 +74,8 @@ class RedisConnection:
         self._ask_sentinels = asyncio.Event()  # the listener wants a fresh master address
         self._tracker: asyncio.Task[None] | None = None
         self._gate: asyncio.Semaphore | None = None  # a Cluster's bounded wait for a turn
+        self._lane_gate: asyncio.Semaphore | None = None  # and its reserved lane's
+        self._convoy: Convoy | None = None
         self._preload: list[Script] = []
         self._wait_timeout = connect_timeout + socket_timeout
         self._max_connections = max_connections
@@ -103,15 +110,18 @@ class RedisConnection:
             try:
                 # Short commands: bounded by the pool's sweeper, not a timer per command.
                 pool = BoundedPool.from_url(
-                    url, op_timeout=socket_timeout, socket_timeout=None, **common
+                    url, op_timeout=socket_timeout, socket_timeout=None, lane=LANE, **common
                 )
                 # XREAD BLOCK: one connection per followed flight, bounded by redis-py's timeout.
                 blocking_pool = BoundedPool.from_url(url, socket_timeout=socket_timeout, **common)
             except ValueError as exc:
                 raise ConfigError(f"bad Redis URL {self.safe_url}: {exc}") from exc
         self.client: aioredis.Redis = aioredis.Redis(connection_pool=pool)
+        # The same pool's reserved lane: renewals and liveness never wait behind a burst.
+        self.lane: aioredis.Redis = aioredis.Redis(connection_pool=pool.lane_view())  # type: ignore[arg-type]
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking_pool)
         self.scripts: dict[str, Any] = {}
+        self._convoy = Convoy(pool, self._load)
 
     def _sentinel_pools(
         self, url: str, common: dict[str, Any], socket_timeout: float, connect_timeout: float
@@ -139,6 +149,7 @@ class RedisConnection:
                 sentinels,
                 heard=heard,
                 op_timeout=socket_timeout,
+                lane=LANE,
                 **{"socket_timeout": None, **options},
             ),
             SentinelPool(
@@ -172,11 +183,26 @@ class RedisConnection:
             )
         except (ValueError, rexc.RedisClusterException) as exc:
             raise ConfigError(f"bad Redis Cluster URL {self.safe_url}: {exc}") from exc
-        self.client = self.blocking = self.cluster
+        self.client = self.blocking = self.lane = self.cluster
         # At most one connection per node per turn (a pipeline takes one on each node), so
-        # no node's pool (max_connections) can overflow.
-        self._gate = asyncio.Semaphore(max_connections)
+        # no node's pool (max_connections) can overflow; LANE of the turns are kept for the
+        # calls sent with lane=True.
+        ordinary = max(max_connections - LANE, 1)
+        self._gate = asyncio.Semaphore(ordinary)
+        if max_connections > ordinary:
+            self._lane_gate = asyncio.Semaphore(max_connections - ordinary)
         self.scripts = {}
+
+    def sync_lane(self, role: str) -> SyncLane:
+        """Blocking connections to the same server(s), for a thread of its own (the lease
+        renewals'): its commands are not counted here."""
+        connect_timeout, client_name = self._made
+        return SyncLane(
+            self.url,
+            socket_timeout=self.socket_timeout,
+            connect_timeout=connect_timeout,
+            client_name=f"{client_name or 'flightcache'}:{role}",
+        )
 
     async def open(self) -> None:
         """Connect before the first command (a cluster client must learn its slots first:
@@ -267,9 +293,13 @@ class RedisConnection:
             self._heard_master(address)
             self.listener.start()  # once; later rounds only refresh the address
 
-    async def run(self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None) -> T:
+    async def run(
+        self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None, *, lane: bool = False
+    ) -> T:
+        """``op()``, counted, its driver errors mapped. With ``lane``, a Cluster command
+        takes one of the reserved turns (on one server, the caller uses :attr:`lane`)."""
         self.stats.commands += 1
-        gate = self._gate
+        gate = self._lane_gate if lane and self._lane_gate is not None else self._gate
         try:
             if gate is None:
                 return await op()
@@ -322,17 +352,34 @@ class RedisConnection:
                 f"{self._wait_timeout:g} s (raise max_connections?)"
             ) from exc
 
+    async def _load(self, lua: Script) -> None:
+        await self.client.script_load(lua.text)
+
     async def script(
         self, lua: Script, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
     ) -> Any:
+        return (await self.script_timed(lua, fk, keys, args))[0]
+
+    async def script_timed(
+        self, lua: Script, fk: FlightKeys | None, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, float]:
+        """The script's reply, and how long the call waited in this process (for a
+        connection, or in the convoy) before it was written: a lease the script grants runs
+        from the write, not from the call (0 on a Cluster: counted from the call)."""
         if self.cluster is None:
+            convoy = self._convoy
+            if convoy is not None and self.client.connection_pool.saturated:  # type: ignore[attr-defined]
+                # Every connection is busy: ride with the others waiting, one write for all.
+                return await self.run(lambda: convoy.call(lua, keys, args), fk)
             return await self.run(lambda: self._evalsha(lua, keys, args), fk)
         script = self.scripts.get(lua.name)
         if script is None:
             script = self.scripts[lua.name] = self.client.register_script(lua.text)
-        return await self.run(lambda: script(keys=list(keys), args=list(args)), fk)
+        return await self.run(lambda: script(keys=list(keys), args=list(args)), fk), 0.0
 
-    async def _evalsha(self, lua: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _evalsha(
+        self, lua: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, float]:
         """EVALSHA, packed here and sent on a pooled connection. A script call carries some
         twenty arguments, and redis-py's generic command path (an encoder call and type
         checks per argument, retry wrappers) costs more than the round trip itself; this
@@ -341,13 +388,14 @@ class RedisConnection:
         packed = pack_command(b"EVALSHA", lua.sha, len(keys), *keys, *args)
         pool: Any = self.client.connection_pool
         loaded = resent = False
+        called = time.monotonic()
         while True:
             conn = await pool.get_connection()
             idle = conn.is_connected  # reused: the server may have closed it meanwhile
             sent = time.monotonic()
             try:
                 await conn.send_packed_command(packed, check_health=False)
-                return await conn.read_response()
+                return await conn.read_response(), sent - called
             except rexc.NoScriptError:
                 if loaded:
                     raise
@@ -391,11 +439,40 @@ class RedisConnection:
             f"a key of flight {fk.digest} holds a value of the wrong type", key=fk.digest
         )
 
+    async def calls(
+        self,
+        lua: Script,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        *,
+        lane: bool = False,
+    ) -> list[Any]:
+        """One script, several calls (keys, args), in one round trip to one server (on the
+        reserved lane with ``lane``): each call's reply, or the ``ResponseError`` the server
+        answered for it (kept apart: one refused call fails only itself)."""
+        assert self.cluster is None, "a Cluster sends these with pipeline_script"
+        pool = self.client.connection_pool
+        return await self.run(
+            lambda: send_calls(
+                pool, [(lua, keys, args) for keys, args in calls], self._load, lane=lane
+            )
+        )
+
     async def pipeline_script(
-        self, lua: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+        self,
+        lua: Script,
+        calls: Sequence[tuple[Sequence[str], Sequence[Any]]],
+        *,
+        lane: bool = False,
     ) -> list[Any]:
         """One script, several calls (keys, args), in one pipeline: one round trip per
-        server (per node of a Cluster: redis-py's cluster pipeline groups by node)."""
+        server (per node of a Cluster: redis-py's cluster pipeline groups by node); an error
+        reply raises. With ``lane``, on the reserved lane."""
+        if self.cluster is None:
+            replies = await self.calls(lua, calls, lane=lane)
+            for reply in replies:
+                if isinstance(reply, rexc.ResponseError):
+                    raise FlightError(f"Redis at {self.safe_url} refused a command: {reply}")
+            return replies
         script = self.scripts.get(lua.name)
         if script is None:
             script = self.scripts[lua.name] = self.client.register_script(lua.text)
@@ -415,9 +492,11 @@ class RedisConnection:
                     await self.client.script_load(lua.text)  # a cluster loads it on every node
             raise AssertionError("unreachable")
 
-        return await self.run(send)
+        return await self.run(send, lane=lane)
 
     async def aclose(self) -> None:
+        if self._convoy is not None:
+            await self._convoy.aclose()
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.cancel()

@@ -209,14 +209,15 @@ class NodeAgent:
         the last renewal was not answered (its SET may have found the key, its SADD never
         sent), and every ``RELIST_EVERY`` renewals (a set lost to a failover comes back)."""
         sent = self.clock()
-        client, key = self.conn.client, self.keyspace.node(self.node_id)
+        # On the reserved lane: a burst of calls never delays the node's liveness.
+        client, key = self.conn.lane, self.keyspace.node(self.node_id)
         ttl_ms = int(self.node_ttl_s * 1000)
         info = self._info()
         listed, self._listed = self._listed, False  # unknown until this one is answered
-        before = await self.conn.run(lambda: client.set(key, info, px=ttl_ms, get=True))
+        before = await self.conn.run(lambda: client.set(key, info, px=ttl_ms, get=True), lane=True)
         self._renewals += 1
         if before is None or not listed or self._renewals % RELIST_EVERY == 0:
-            await self.conn.run(lambda: client.sadd(self.keyspace.nodes, self.node_id))
+            await self.conn.run(lambda: client.sadd(self.keyspace.nodes, self.node_id), lane=True)
         self._listed = True
         # The server keeps this node live until at least one TTL after the renewal was sent.
         self.live_until = sent + self.node_ttl_s

@@ -25,7 +25,7 @@ from .._keys import FlightKeys, KeySpace
 from .._types import CallOptions, FlightInfo, Stats
 from .base import Opening
 from .follower import Follower
-from .heartbeat import Renewer
+from .heartbeat import Renewer, ThreadRenewer
 from .jobs import Job
 from .owner import Owner, Undelivered
 from .pipelined import script_calls
@@ -84,7 +84,7 @@ class RedisFlights:
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
 
     @property
-    def renewer(self) -> Renewer:
+    def renewer(self) -> Renewer | ThreadRenewer:
         return self.owner.renewer
 
     async def aclose(self) -> None:
@@ -378,8 +378,8 @@ class RedisFlights:
         claim_id = claim_id or self._claim_id()
         keys, args = self._join_call(fk, opts, claim, refresh, since, claim_id)
         sent = self.clock()
-        reply = await self.conn.script(LUA["join_flight"], fk, keys, args)
-        return state_of(reply, claim_id, sent)
+        reply, waited = await self.conn.script_timed(LUA["join_flight"], fk, keys, args)
+        return state_of(reply, claim_id, sent + waited)  # a lease granted runs from the write
 
     def _join_call(
         self,

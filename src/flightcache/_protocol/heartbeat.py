@@ -1,19 +1,30 @@
 """The owner's heartbeats: every lease renewed every ``lease/3`` while its loader runs.
 
-One :class:`Renewer` per server renews the leases of all the flights this process owns
-there together: when the earliest renewal is due, every lease due within half its own
+One renewer per server renews the leases of all the flights this process owns there
+together: when the earliest renewal is due, every lease due by then or within half its own
 interval goes out in one batch (one pipeline of multi-flight scripts), so renewal cost grows
 with servers, not flights. Each lease is bound to its loader task in both directions: it
 leaves the renewer when the loader ends, and when a renewal finds another token (or the
 lease cannot be proven for a whole lease) it cancels that loader at once, the "suicide"
 rule that keeps a stale owner from working on. A batch answers per flight, so exactly the
 flights whose token was refused are cancelled.
+
+A :class:`ThreadRenewer` renews on a thread of its own with a blocking connection of its
+own, so a busy event loop (ten thousand calls starting at once) cannot delay the renewals
+past the leases; Kafka's consumers learned the same (KIP-62 moved their heartbeats to a
+thread). A loop that stops running altogether (blocked, deadlocked) must not keep its
+flights forever, so the loop pulses every ``PULSE_S`` while it owns flights, and a lease is
+renewed only while the last pulse is younger than ``STALL_FRACTION`` of it
+(docs/protocol.md, "Lease renewals"). :class:`Renewer` renews on the caller's loop (with a
+clock a test drives).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -23,15 +34,18 @@ from .._errors import FlightError
 log = logging.getLogger("flightcache.heartbeat")
 
 RETRY_FRACTION = 1.0  # after a failed batch, retry one interval later (as a lone heartbeat did)
+PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flights
+STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renewals
 
 
 class Lease:
-    """One owned flight's lease in a :class:`Renewer`; ``lost`` tells whether it gave up."""
+    """One owned flight's lease in a renewer; ``lost`` tells whether it gave up."""
 
     __slots__ = (
         "_work",
         "args",
         "digest",
+        "dropped",
         "interval_s",
         "lease_s",
         "lost",
@@ -58,8 +72,12 @@ class Lease:
         self.reason = ""
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
+        self.dropped = False  # removed by its owner
 
     def give_up(self, reason: str) -> None:
+        """On the loader's loop: the lease is lost, its loader is cancelled."""
+        if self._work.done():
+            return  # it ended meanwhile: nothing to stop (its writes were fenced)
         self.lost = True
         self.reason = reason
         log.warning("flight %s: lease lost (%s); cancelling the loader", self.digest, reason)
@@ -68,18 +86,12 @@ class Lease:
         self._work.cancel()
 
 
-RenewBatch = Callable[[Sequence[Lease]], Awaitable[Sequence[bool]]]
+class _Book:
+    """The leases of one renewer and what a batch does to them, whoever sends it."""
 
-
-class Renewer:
-    """Renews every registered lease on time, in batches, with one task."""
-
-    def __init__(self, renew: RenewBatch, clock: Callable[[], float] = time.monotonic) -> None:
-        self._renew = renew
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._leases: dict[int, Lease] = {}
-        self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.batches = 0
 
     def __len__(self) -> int:
@@ -94,20 +106,85 @@ class Renewer:
         granted_at: float | None = None,
         args: Any = None,
     ) -> Lease:
+        """Renew a lease of ``lease_s`` (granted at ``granted_at``) while ``work`` runs, and
+        cancel ``work`` when it is lost; ``args``: what the batch function needs."""
         lease = Lease(
             work, lease_s, digest, self._clock() if granted_at is None else granted_at, args
         )
-        self._leases[id(lease)] = lease
         work.add_done_callback(lambda _f: self.remove(lease))
-        self._changed.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._register(lease)
         return lease
+
+    def _register(self, lease: Lease) -> None:
+        raise NotImplementedError
 
     def remove(self, lease: Lease) -> None:
         """The lease needs no more renewals (its loader ended); a batch already on the wire
         may still renew it once, which is harmless, and its answer is ignored."""
+        lease.dropped = True
         self._leases.pop(id(lease), None)
+
+    def _give_up(self, lease: Lease, reason: str) -> None:
+        self._leases.pop(id(lease), None)
+        lease.give_up(reason)
+
+    def _due(self, now: float) -> list[Lease]:
+        """Every lease due by ``now`` (a busy process may be late: all the late ones go in
+        this batch) and those due within half their interval."""
+        return [
+            lease
+            for lease in list(self._leases.values())
+            if lease.next_due - now <= lease.interval_s / 2
+        ]
+
+    def _lapse(self, batch: Sequence[Lease], reason: str) -> list[Lease]:
+        """Give up every lease of ``batch`` whose proof ran out; the ones left."""
+        now = self._clock()
+        left = []
+        for lease in batch:
+            if id(lease) not in self._leases:
+                continue  # its loader ended meanwhile
+            if now >= lease.proven_until:
+                self._give_up(lease, f"no renewal for a whole lease: {reason}")
+            else:
+                left.append(lease)
+        return left
+
+    def _failed(self, batch: Sequence[Lease], exc: Exception) -> None:
+        for lease in self._lapse(batch, repr(exc)):
+            log.info("flight %s: renewal failed, retrying: %r", lease.digest, exc)
+            lease.next_due = self._clock() + lease.interval_s * RETRY_FRACTION
+
+    def _settle(self, batch: Sequence[Lease], answers: Sequence[bool], sent: float) -> None:
+        for lease, ok in zip(batch, answers, strict=True):
+            if id(lease) not in self._leases:
+                continue  # its loader ended, or it was given up, while the batch was out
+            if not ok:
+                self._give_up(lease, "another owner holds the flight, or the lease lapsed")
+                continue
+            lease.renewals += 1
+            lease.proven_until = sent + lease.lease_s
+            lease.next_due = sent + lease.interval_s
+
+
+RenewBatch = Callable[[Sequence[Lease]], Awaitable[Sequence[bool]]]
+
+
+class Renewer(_Book):
+    """Renews every registered lease on time, in batches, with one task of the caller's
+    loop."""
+
+    def __init__(self, renew: RenewBatch, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self._renew = renew
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def _register(self, lease: Lease) -> None:
+        self._leases[id(lease)] = lease
+        self._changed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
@@ -126,43 +203,153 @@ class Renewer:
                     continue
                 except asyncio.TimeoutError:
                     pass  # the timer says `due` has come, whatever the clock reads
-            batch = [
-                lease
-                for lease in self._leases.values()
-                if lease.next_due - due <= lease.interval_s / 2
-            ]
+            batch = self._due(max(self._clock(), due))
             if batch:  # (empty when the leases due ended while we waited)
                 await self._renew_batch(batch)
 
     async def _renew_batch(self, batch: list[Lease]) -> None:
         self.batches += 1
         sent = self._clock()
-        # A renewal still unanswered when a lease runs out proves nothing for it.
-        budget = max(min(lease.proven_until for lease in batch) - sent, 0.001)
+        reply = asyncio.ensure_future(self._renew(batch))
+        waiting = sorted(batch, key=lambda lease: lease.proven_until)
         try:
-            answers = await asyncio.wait_for(self._renew(batch), budget)
-        except (FlightError, asyncio.TimeoutError) as exc:
-            now = self._clock()
-            for lease in batch:
-                if id(lease) not in self._leases:
-                    continue
-                if now >= lease.proven_until:
-                    self.remove(lease)
-                    lease.give_up(f"no renewal for a whole lease: {exc!r}")
-                else:
-                    log.info("flight %s: renewal failed, retrying: %r", lease.digest, exc)
-                    lease.next_due = now + lease.interval_s * RETRY_FRACTION
+            # A renewal still unanswered when a lease runs out proves nothing for that
+            # lease: it is given up then, while the others wait on for the same reply.
+            while waiting:
+                limit = max(waiting[0].proven_until - self._clock(), 0.001)
+                done, _ = await asyncio.wait({reply}, timeout=limit)  # a lease's proof
+                if done:
+                    break
+                waiting = self._lapse(waiting, "no answer")
+            if not waiting:
+                return
+            answers = reply.result()
+        except FlightError as exc:
+            self._failed(waiting, exc)
             return
-        for lease, ok in zip(batch, answers, strict=True):
-            if id(lease) not in self._leases:
-                continue  # its loader ended while the batch was on the wire
-            if not ok:
-                self.remove(lease)
-                lease.give_up("another owner holds the flight, or the lease lapsed")
-                continue
-            lease.renewals += 1
-            lease.proven_until = sent + lease.lease_s
-            lease.next_due = sent + lease.interval_s
+        finally:
+            if not reply.done():
+                reply.cancel()
+                await asyncio.gather(reply, return_exceptions=True)
+        self._settle(batch, answers, sent)
+
+
+# A thread's batch: the leases, and how long more to wait for the answer (asked again each
+# time that runs out; None: nobody needs it any more).
+SyncRenewBatch = Callable[[Sequence[Lease], Callable[[], "float | None"]], Sequence[bool]]
+
+
+class ThreadRenewer(_Book):
+    """Renews every registered lease on time, in batches, from a thread of its own (started
+    with the first lease, stopped by :meth:`aclose`), with a blocking ``renew``. A lease is
+    given up (its loader cancelled) on the loader's own loop."""
+
+    def __init__(self, renew: SyncRenewBatch, name: str = "flightcache-renew") -> None:
+        super().__init__(time.monotonic)
+        self._renew = renew
+        self._name = name
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._pulsed = self._clock()
+        self._pulse: asyncio.TimerHandle | None = None
+
+    def _register(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases[id(lease)] = lease
+            self._lock.notify()
+            if self._thread is None:
+                self._closing = False
+                self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
+                self._thread.start()
+        if self._pulse is None:
+            self._beats()
+
+    def remove(self, lease: Lease) -> None:
+        with self._lock:
+            super().remove(lease)
+
+    def _beats(self) -> None:
+        """The caller's loop runs: renewals go on (it says so every ``PULSE_S`` while it owns
+        any flight)."""
+        self._pulsed = self._clock()
+        self._pulse = None
+        if self._leases:
+            self._pulse = asyncio.get_running_loop().call_later(PULSE_S, self._beats)
+
+    def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
+        with self._lock:
+            self._leases.pop(id(lease), None)
+        with contextlib.suppress(RuntimeError):  # (its loop closed: nothing runs to stop)
+            lease._work.get_loop().call_soon_threadsafe(lease.give_up, reason)
+
+    async def aclose(self) -> None:
+        if self._pulse is not None:
+            self._pulse.cancel()
+            self._pulse = None
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._closing = True
+            self._lock.notify()
+        if thread is not None:
+            thread.join(5)  # at once, or when the batch on the wire is answered
+
+    def _main(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closing:
+                        return
+                    now = self._clock()
+                    due = min((lease.next_due for lease in self._leases.values()), default=None)
+                    if due is None:
+                        self._lock.wait()  # no flight owned: until one is
+                    elif due > now:
+                        self._lock.wait(due - now)  # heartbeat interval
+                    else:
+                        break
+                batch = self._due(max(now, due))
+            batch = self._hold_if_stalled(batch)
+            if batch:
+                self._renew_batch(batch)
+
+    def _hold_if_stalled(self, batch: list[Lease]) -> list[Lease]:
+        """The leases of ``batch`` to renew: none whose loader's loop has not run for
+        ``STALL_FRACTION`` of its lease (they lapse, and are given up once their proof runs
+        out: a stopped loop keeps no flight from a takeover)."""
+        stalled = self._clock() - self._pulsed
+        held = [lease for lease in batch if stalled > lease.lease_s * STALL_FRACTION]
+        if not held:
+            return batch
+        for lease in self._lapse(held, f"the event loop has not run for {stalled:.1f} s"):
+            lease.next_due = self._clock() + PULSE_S  # look again soon
+        return [lease for lease in batch if stalled <= lease.lease_s * STALL_FRACTION]
+
+    def _renew_batch(self, batch: list[Lease]) -> None:
+        self.batches += 1
+        sent = self._clock()
+        waiting = sorted(batch, key=lambda lease: lease.proven_until)
+
+        def patience() -> float | None:
+            # A renewal still unanswered when a lease runs out proves nothing for that
+            # lease: it is given up then, while the others wait on for the same reply.
+            nonlocal waiting
+            waiting = self._lapse(waiting, "no answer")
+            if not waiting or self._closing:
+                return None
+            return max(waiting[0].proven_until - self._clock(), 0.001)
+
+        try:
+            answers = self._renew(batch, patience)
+        except FlightError as exc:
+            self._failed(waiting, exc)
+            return
+        except Exception as exc:  # abandoned (nobody waits), or a bug: not this thread's end
+            if waiting and not self._closing:
+                log.warning("lease renewal failed: %r", exc)
+                self._failed(waiting, FlightError(repr(exc)))
+            return
+        self._settle(batch, answers, sent)
 
 
 class Heartbeat:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from redis.crc import key_slot
 
+from .._backends.lane import SyncLane
 from .._backends.redis import RedisConnection
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._config import Tuning
@@ -32,7 +33,7 @@ from .._errors import (
 from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .context import FlightContext
-from .heartbeat import Lease, Renewer
+from .heartbeat import Lease, Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together
@@ -79,12 +80,24 @@ class Owner:
         self.tuning = tuning
         self.clock = clock
         self._wake = (wake_prefix, tuning.inline_max_bytes)
-        self.renewer = Renewer(self._renew_batch, clock)
+        # The renewals run on a thread of their own with a connection of their own, so a
+        # busy loop cannot starve them; a clock given by a test drives them on this loop,
+        # and so does a Cluster (redis-py's blocking cluster client did not find the new
+        # master after a failover: docs/protocol.md, "Batched renewals").
+        self._lane: SyncLane | None = None
+        self.renewer: Renewer | ThreadRenewer
+        if clock is time.monotonic and conn.cluster is None:
+            self.renewer = ThreadRenewer(self._renew_on_thread)
+        else:
+            self.renewer = Renewer(self._renew_batch, clock)
         self._completes = Together(conn, LUA["complete_flight"])
         self._claims: dict[int, str] = {}  # token -> its claim id, while it is owned here
 
     async def aclose(self) -> None:
         await self.renewer.aclose()
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.close()
 
     async def run(
         self,
@@ -126,12 +139,14 @@ class Owner:
 
     # -- renewals ------------------------------------------------------------------------
 
-    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
-        """One pipeline renewing every lease given: on one server, scripts of up to
+    def _renew_calls(
+        self, leases: Sequence[Lease], cluster: bool
+    ) -> tuple[list[list[Lease]], list[tuple[list[str], list[Any]]]]:
+        """The ``renew_leases`` calls for ``leases``: on one server, scripts of up to
         ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
-        slots), which redis-py's cluster pipeline sends one round trip per node."""
+        slots), which a cluster pipeline sends one round trip per node."""
         groups: dict[int, list[Lease]] = {}
-        if self.conn.cluster is not None:
+        if cluster:
             for lease in leases:
                 groups.setdefault(key_slot(lease.args[0].meta.encode()), []).append(lease)
             batches = list(groups.values())
@@ -147,13 +162,39 @@ class Owner:
                 keys += (fk.meta, fk.stream, fk.waiters)
                 args += (token, lease_ms, stream_ttl, claim)
             calls.append((keys, args))
-        replies = await self.conn.pipeline_script(LUA["renew_leases"], calls)
+        return batches, calls
+
+    @staticmethod
+    def _answers(
+        leases: Sequence[Lease], batches: list[list[Lease]], replies: Sequence[Any]
+    ) -> list[bool]:
         answers = {
             id(lease): bool(int(ok))
             for batch, reply in zip(batches, replies, strict=True)
             for lease, ok in zip(batch, reply, strict=True)
         }
         return [answers[id(lease)] for lease in leases]
+
+    def _renew_on_thread(
+        self, leases: Sequence[Lease], patience: Callable[[], float | None]
+    ) -> list[bool]:
+        """One batch of renewals from the renewer's thread, on its blocking connection (made
+        on first use), waiting only as long as ``patience`` says."""
+        lane = self._lane
+        if lane is None:
+            lane = self._lane = self.conn.sync_lane("renew")
+        batches, calls = self._renew_calls(leases, False)
+        replies = lane.calls(LUA["renew_leases"], calls, patience)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
+        return self._answers(leases, batches, replies)
+
+    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
+        """One pipeline renewing every lease given, on the reserved lane."""
+        batches, calls = self._renew_calls(leases, self.conn.cluster is not None)
+        replies = await self.conn.pipeline_script(LUA["renew_leases"], calls, lane=True)
+        return self._answers(leases, batches, replies)
 
     # -- the loader ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 from redis import exceptions as rexc
 
 from .._backends.redis import RedisConnection
-from .._backends.scripts import Script, pack_command
+from .._backends.scripts import Script
 from .._errors import BackendUnavailable, FlightError
 
 Call = tuple[Sequence[str], Sequence[Any]]  # keys, args
@@ -41,71 +41,13 @@ async def script_calls(conn: RedisConnection, lua: Script, calls: Sequence[Call]
                 if isinstance(answer, BaseException) and not isinstance(answer, FlightError):
                     raise answer from None
             return list(answers)
-    replies = await conn.run(lambda: _packed(conn, lua, calls))
+    replies = await conn.calls(lua, calls)
     return [
         FlightError(f"Redis at {conn.safe_url} refused a command: {r}")
         if isinstance(r, rexc.ResponseError)
         else r
         for r in replies
     ]
-
-
-async def _packed(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> list[Any]:
-    """EVALSHA per call, packed into one write on one pooled connection, the replies read
-    in order (an error reply is kept as the call's answer). NOSCRIPT (a restarted server)
-    loads the script and sends those calls again."""
-    pool: Any = conn.client.connection_pool
-    replies: list[Any] = [None] * len(calls)
-    todo = list(range(len(calls)))
-    for attempt in (0, 1):
-        packed = _pack_all(lua, [calls[i] for i in todo])
-        connection = await pool.get_connection()
-        missing: list[int] = []
-        try:
-            await connection.send_packed_command(packed, check_health=False)
-            for i in todo:
-                try:
-                    replies[i] = await connection.read_response()
-                except rexc.NoScriptError as exc:
-                    replies[i] = exc
-                    missing.append(i)
-                except rexc.ResponseError as exc:  # an answer: the connection is fine
-                    replies[i] = exc
-        except BaseException:
-            await connection.disconnect(nowait=True)
-            raise
-        finally:
-            await pool.release(connection)
-        if not missing or attempt:
-            break
-        await conn.client.script_load(lua.text)
-        todo = missing
-    return replies
-
-
-def _pack_all(lua: Script, calls: Sequence[Call]) -> bytes:
-    """``EVALSHA`` of every call, in RESP, exactly as ``pack_command`` writes each: the calls
-    of one batch repeat most of their arguments (node id, TTLs, modes), encoded once here."""
-    seen: dict[Any, bytes] = {}
-    head = pack_command(b"EVALSHA", lua.sha)[4:]  # the two bulk strings, without "*2"
-    out: list[bytes] = []
-    for keys, args in calls:
-        count = b"%d" % len(keys)
-        out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
-        for arg in (*keys, *args):
-            part = seen.get(arg) if type(arg) in (str, bytes) else None
-            if part is None:
-                if type(arg) is bytes:
-                    data = arg
-                elif type(arg) is str:
-                    data = arg.encode()
-                else:
-                    data = pack_command(arg)[4:]
-                    out.append(data)
-                    continue
-                part = seen[arg] = b"$%d\r\n%b\r\n" % (len(data), data)
-            out.append(part)
-    return b"".join(out)
 
 
 class Together:

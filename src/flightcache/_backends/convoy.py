@@ -1,0 +1,181 @@
+"""Script calls sent together on one connection.
+
+Three users share this: a batch of one script's calls (``do_many``'s joins, an owner's
+completions), the owner's lease renewals on the reserved lane, and the :class:`Convoy`,
+which gathers the calls made while every pooled connection is busy and sends them together
+on the next connection that frees up, instead of each waiting for a connection of its own.
+Every script here is safe to send twice (docs/protocol.md), so a batch that met a dead idle
+connection goes again, once, on a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from redis import exceptions as rexc
+
+from .scripts import Script, pack_command
+
+Call = tuple[Script, Sequence[str], Sequence[Any]]  # script, keys, args
+Load = Callable[[Script], Awaitable[Any]]
+
+STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
+
+
+def pack_calls(calls: Sequence[Call]) -> bytes:
+    """``EVALSHA`` of every call, in RESP, exactly as ``pack_command`` writes each: the calls
+    of one batch repeat most of their arguments (node id, TTLs, modes), encoded once here."""
+    seen: dict[Any, bytes] = {}
+    heads: dict[bytes, bytes] = {}
+    out: list[bytes] = []
+    for lua, keys, args in calls:
+        head = heads.get(lua.sha)
+        if head is None:  # the two bulk strings EVALSHA <sha>, without "*2"
+            head = heads[lua.sha] = pack_command(b"EVALSHA", lua.sha)[4:]
+        count = b"%d" % len(keys)
+        out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
+        for arg in (*keys, *args):
+            part = seen.get(arg) if type(arg) in (str, bytes) else None
+            if part is None:
+                if type(arg) is bytes:
+                    data = arg
+                elif type(arg) is str:
+                    data = arg.encode()
+                else:
+                    out.append(pack_command(arg)[4:])
+                    continue
+                part = seen[arg] = b"$%d\r\n%b\r\n" % (len(data), data)
+            out.append(part)
+    return b"".join(out)
+
+
+async def send_calls(
+    pool: Any,
+    calls: Sequence[Call],
+    load: Load,
+    *,
+    lane: bool = False,
+    sent: list[float] | None = None,
+) -> list[Any]:
+    """Each call's reply, in order, from one write on one pooled connection (the reserved
+    lane's with ``lane``): an error reply is kept as that call's answer (a ``ResponseError``).
+    NOSCRIPT (a restarted server) loads the scripts missing and sends those calls again; a
+    connection found dead at once is dropped and the batch sent again on a fresh one;
+    a connection interrupted mid-batch is dropped, never reused."""
+    replies: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    loaded = resent = False
+    while True:
+        connection = await (pool.get_connection(lane=True) if lane else pool.get_connection())
+        idle = connection.is_connected  # reused: the server may have closed it meanwhile
+        written = time.monotonic()
+        if sent is not None:
+            sent.append(written)  # the first write is the one a lease may count from
+        missing: list[int] = []
+        try:
+            await connection.send_packed_command(
+                pack_calls([calls[i] for i in todo]), check_health=False
+            )
+            for i in todo:
+                try:
+                    replies[i] = await connection.read_response()
+                except rexc.NoScriptError as exc:
+                    replies[i] = exc
+                    missing.append(i)
+                except rexc.ResponseError as exc:  # an answer: the connection is fine
+                    replies[i] = exc
+        except (rexc.ConnectionError, OSError):
+            await connection.disconnect(nowait=True)
+            if resent or not idle or time.monotonic() - written > STALE_S:
+                raise
+            resent = True
+            continue
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(connection)
+        if not missing or loaded:
+            return replies
+        loaded = True
+        for lua in {calls[i][0].sha: calls[i][0] for i in missing}.values():
+            await load(lua)
+        todo = missing
+
+
+class Convoy:
+    """The script calls made while every connection of the pool is busy, sent together.
+
+    A call waits here instead of for a connection of its own: one task takes the next
+    connection that frees up and sends every call waiting then (up to ``MAX_CALLS``) in one
+    write, and goes on while calls keep coming. A burst of ten thousand joins becomes a
+    few dozen round trips, and a renewal never queues behind ten thousand waiters for a
+    connection. A caller cancelled before its call went out is dropped from the batch; one
+    cancelled after has its reply ignored (the scripts are safe either way).
+    """
+
+    MAX_CALLS = 200
+
+    def __init__(self, pool: Any, load: Load) -> None:
+        self._pool = pool
+        self._load = load
+        self._queue: list[tuple[Call, asyncio.Future[Any], float]] = []  # (.., queued at)
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+
+    async def call(
+        self, lua: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, float]:
+        """The call's reply, and how long it waited here before it was written; its error
+        reply (a ``ResponseError``) or the pool's failure raised."""
+        future: asyncio.Future[tuple[Any, float]] = asyncio.get_running_loop().create_future()
+        self._queue.append(((lua, keys, args), future, time.monotonic()))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        batch: list[tuple[Call, asyncio.Future[Any], float]] = []
+        try:
+            while self._queue:
+                batch = [item for item in self._queue[: self.MAX_CALLS] if not item[1].done()]
+                del self._queue[: self.MAX_CALLS]
+                if not batch:
+                    continue
+                self.batches += 1
+                sent: list[float] = []
+                try:
+                    calls = [call for call, _, _ in batch]
+                    replies = await send_calls(self._pool, calls, self._load, sent=sent)
+                except Exception as exc:
+                    for _, future, _ in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future, queued), reply in zip(batch, replies, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(reply, rexc.ResponseError):
+                        future.set_exception(reply)
+                    else:
+                        future.set_result((reply, sent[0] - queued))
+                # Let the callers answered take their next step before more calls go out: a
+                # claim's lease runs from when its join is sent, so its owner should start
+                # (and register the lease for renewal) soon after, not behind later batches.
+                await asyncio.sleep(0)
+        except BaseException:
+            for _, future, _ in (*batch, *self._queue):
+                future.cancel()
+            self._queue = []
+            raise
+        finally:
+            self._task = None
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
