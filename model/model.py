@@ -92,7 +92,7 @@ class Scope:
             shown = ", ".join(f"p{i} {t:g} s" for i, t in enumerate(self.timeouts) if t)
             extra.append(f"timeout {shown}")
         if any("stream" in o for o in self.ops):
-            extra.append(f"at most {self.chunks} chunks a run")
+            extra.append(f"at most {self.chunks} chunk{'s' if self.chunks > 1 else ''} a run")
         return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"
 
 
