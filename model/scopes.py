@@ -63,6 +63,7 @@ SMALL += (
         (("do",), ("do",)),
         timeouts=(0, 1),
         budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,  # none to reduce (the timeouts differ): liveness is checked too
         doc="a caller with timeout=1 s (a 9 s wait bound) and one whose loader may run past "
         "it: the caller returns by its deadline, or its loader's timeout when it owns",
     ),
@@ -78,6 +79,7 @@ SMALL += (
         "nostore-2",
         (("nostore",), ("do",)),
         budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,  # none to reduce (the operations differ): liveness is checked too
         doc="a store=False call and a plain one coalescing: whose flight stores is its "
         "owner's call",
     ),
@@ -162,6 +164,15 @@ LARGE += (
         budget=Budget(crash=1, pause=1, lose=1, close=1),
         doc="bound-2 with a closed owner too (its reset: a follower's join in mode first, "
         "which may claim as its deadline passes)",
+    ),
+    Scope(
+        "live-streams-2",
+        (("stream",), ("stream",)),
+        chunks=1,
+        budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,
+        doc="liveness of stream flights: every reader returns, a dead owner's stream is "
+        "taken over, under fairness",
     ),
     Scope(
         "bound-3",
