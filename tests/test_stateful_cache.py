@@ -77,11 +77,6 @@ class Run:
         self.state = "running"  # running, returned, failed, cancelled
 
 
-def _sid(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
-
-
 class Harness:
     """One loop, ``PROCS`` FlightCache objects and a plain client, for a whole test."""
 
@@ -137,6 +132,7 @@ def machine(h: Harness) -> type[RuleBasedStateMachine]:
             self.key = f"k{next(keys)}"
             self.fk = caches[0].keyspace.flight(self.key)
             self.runs: list[Run] = []
+            self.numbers = itertools.count()  # each run's, taken before its first await
             self.produced: set[str] = set()  # values loaders returned, and set() values
             self.dead: set[str] = set()  # values an invalidate/set that returned replaced
             self.calls: list[tuple[int, asyncio.Task[Any]]] = []
@@ -148,7 +144,8 @@ def machine(h: Harness) -> type[RuleBasedStateMachine]:
 
         def loader(self, i: int) -> Callable[[Any], Awaitable[str]]:
             async def load(ctx: Any) -> str:
-                run_ = Run(len(self.runs), i, f"{self.key}:run{len(self.runs)}")
+                n = next(self.numbers)
+                run_ = Run(n, i, f"{self.key}:run{n}")
                 meta = await client.hgetall(self.fk.meta)
                 run_.token = ctx.token
                 run_.claim = meta.get(b"claimEntry", b"")
