@@ -23,6 +23,9 @@ MUTANTS = {
         "a follower waits for its lease re-check without bounding the wait by its deadline "
         "(it notices the wait bound only when the re-check is due)"
     ),
+    "no-loader-timeout": (
+        "an owner's loader is not cancelled at its timeout (wait_bounded): it may run on"
+    ),
     "no-restart": (
         "a stream follower that reads a takeover's 'claimed' keeps the chunks it holds "
         "(no new generation, no StreamRestarted)"

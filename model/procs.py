@@ -333,7 +333,8 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         if proc.refused:
             why.append(f"stale_owner_stops: p{pid}'s loader ran on after its renewal was refused")
         nxt = proc._replace(pc="write", outcome=ERROR, timer=0, ltimer=-1)
-        fair = (pid, "loader") if proc.ltimer else (pid, "ltimeout")  # at 0: at once
+        at_once = proc.ltimer == 0 and m.mutant != "no-loader-timeout"
+        fair = (pid, "ltimeout") if at_once else (pid, "loader")  # at 0: at once
         w = _put(world, pid, nxt)
         yield f"p{pid} loader ends with FlightTimeout", fair, w, tuple(why)
     for outcome in m.scope.outcomes if running else ():

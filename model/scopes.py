@@ -216,6 +216,7 @@ MUTANT_SCOPES = {
     "no-marker": "leases-3",
     "no-recheck": "live-2",
     "no-deadline-wait": "bound-2",
+    "no-loader-timeout": "bound-2",
     "no-restart": "streams-2",
     "no-chunk-fence": "streams-2",
     "nostore-stores": "nostore-2",

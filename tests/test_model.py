@@ -86,6 +86,7 @@ CAUGHT_BY = {
     "no-since": "one_run_per_flight",
     "no-recheck": "",
     "no-deadline-wait": "returns_within_wait_bound",
+    "no-loader-timeout": "returns_within_wait_bound",
     "no-restart": "stream_chunks_one_attempt",
     "no-chunk-fence": "follower_reads_own_flight",
     "nostore-stores": "nostore_never_stored",
