@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scope", choices=sorted(ALL), action="append", help="run only these")
     parser.add_argument("--large", action="store_true", help="also the larger scopes")
     parser.add_argument("--max-states", type=int, default=0, help="stop after this many")
+    parser.add_argument(
+        "--peek",
+        action="store_true",
+        help="a follower's re-check starts with peek_flight (follower.py's change under way)",
+    )
     parser.add_argument("--list", action="store_true", help="list scopes and invariants")
     args = parser.parse_args(argv)
     if args.list:
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         known = frozenset({args.known_issue}) if args.known_issue else frozenset()
         scope = ALL[scope_name]
         res = check(
-            Model(scope, args.mutant or "", known),
+            Model(scope, args.mutant or "", known, peek=args.peek),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for scope in scopes:
         res = check(
-            Model(scope),
+            Model(scope, peek=args.peek),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )

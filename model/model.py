@@ -100,10 +100,19 @@ class Scope:
 
 
 class Model:
-    def __init__(self, scope: Scope, mutant: str = "", known: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        scope: Scope,
+        mutant: str = "",
+        known: frozenset[str] = frozenset(),
+        peek: bool = False,
+    ):
         if mutant and mutant not in MUTANTS:
             raise ValueError(f"unknown mutant {mutant!r}")
         self.scope = scope
+        # A follower's re-check starts with peek_flight (is the claim it follows still the
+        # flight's?) and joins only when it is not: follower.py as being changed now.
+        self.peek = peek
         self.mutant = mutant
         self.known = known
         self.t = Timing.of(scope.tick_s, leases_for_readers=scope.near)

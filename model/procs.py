@@ -278,27 +278,12 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
             label = f"p{pid} wait bound passes: FlightTimeout"
             yield label, (pid, "deadline"), _put(world, pid, nxt), ()
         elif proc.timer == 0 and m.mutant != "no-recheck":  # the wait ran out: re-check
-            why: list[str] = []
-            server, reply, wake = scripts.join_flight(
-                world.server, pid, "first", proc.cursor, t.lease, m.scope.token_in_join, m.mutant
-            )
-            ghost = _claims(m, world, reply)
-            if ghost is None:
-                return
-            if reply[0] == "follow":
-                _, _tok, lease_left, _rank, from_id = reply
-                if m.op(pid, proc) == "stream":  # job.on_follow
-                    proc = streams.new_generation(m, proc, from_id)
-                nxt = proc._replace(
-                    gen=from_id,
-                    cursor=max(proc.cursor, from_id),
-                    timer=lease_left + t.margin,
-                    wait=_sent(m, proc) if m.scope.near else 0,
-                )
+            if m.peek:
+                yield _peek(m, world, pid, proc)
             else:
-                nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
-            w = _put(world, pid, nxt, server, ghost, wake)
-            yield f"p{pid} re-check -> {_show(reply)}", (pid, "recheck"), w, tuple(why)
+                yield from _recheck(m, world, pid, proc)
+    elif pc == "recheck":  # the peek found the claim gone: join_flight in mode first
+        yield from _recheck(m, world, pid, proc)
     elif pc == "incr":  # INCR owner-seq: the token; the loader starts at once
         nxt = proc._replace(
             pc="run", token=proc.claim, timer=t.renew, confirming=True, ltimer=m.bounds[pid][1]
@@ -320,6 +305,50 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         nxt = _done(m, world, pid, nxt, value, why)
         leased = "leased" if nxt.near and nxt.near[0] == value and leasable else "not leased"
         yield f"p{pid} reply v{value} ({leased})", (pid, "reply"), _put(world, pid, nxt), tuple(why)
+
+
+def _peek(m: Model, world: World, pid: int, proc: Proc) -> Step:
+    """peek_flight.lua: while meta still holds the claim the follower follows, the lease
+    it has left (wait again); else a join in mode first (pc 'recheck', the next step)."""
+    meta = world.server.meta
+    if meta and meta[0].claim == proc.gen:
+        nxt = proc._replace(timer=meta[0].ttl + m.t.margin)
+        shown = f"claim {proc.gen} holds, lease {meta[0].ttl}"
+    else:
+        nxt = proc._replace(pc="recheck")
+        shown = "-1"
+    return f"p{pid} peek_flight -> {shown}", (pid, "recheck"), _put(world, pid, nxt), ()
+
+
+def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
+    """The re-check's join_flight in mode first, with the cursor as position."""
+    why: list[str] = []
+    t = m.t
+    server, reply, wake = scripts.join_flight(
+        world.server, pid, "first", proc.cursor, t.lease, m.scope.token_in_join, m.mutant
+    )
+    ghost = _claims(m, world, reply)
+    if ghost is None:
+        return
+    shown = _show(reply)
+    if proc.due == 0:  # a pause between the peek and the join: past the wait bound
+        nxt = _done(m, world, pid, proc, TIMEOUT, why)
+        shown += ", past the wait bound: FlightTimeout"
+    elif reply[0] == "follow":
+        _, _tok, lease_left, _rank, from_id = reply
+        if m.op(pid, proc) == "stream":  # job.on_follow
+            proc = streams.new_generation(m, proc, from_id)
+        nxt = proc._replace(
+            pc="follow",
+            gen=from_id,
+            cursor=max(proc.cursor, from_id),
+            timer=lease_left + t.margin,
+            wait=_sent(m, proc) if m.scope.near else 0,
+        )
+    else:
+        nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
+    w = _put(world, pid, nxt, server, ghost, wake)
+    yield f"p{pid} re-check -> {shown}", (pid, "recheck-join"), w, tuple(why)
 
 
 def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:

@@ -104,6 +104,16 @@ def test_every_mutant_gives_a_counterexample(mutant: str) -> None:
         assert res.trace, "a violation comes with its trace"
 
 
+@pytest.mark.parametrize("name", ["flights-2", "streams-2", "live-2"])
+def test_a_followers_peek_before_its_recheck_join_keeps_every_invariant(name: str) -> None:
+    """follower.py's re-check as being changed: peek_flight first (does meta still hold the
+    claim it follows?), join_flight in mode first only when not (``--peek``)."""
+    scope = ALL[name]
+    res = check(Model(scope, peek=True), liveness=not scope.symmetry)
+    assert res.ok, (res.violation, res.liveness, res.trace)
+    assert res.states > 1000
+
+
 def test_a_caller_past_its_wait_bound_returns_where_the_mutant_waits_on() -> None:
     """no-deadline-wait's trace brings a follower to its deadline; the unmodified model, on
     the same path, returns FlightTimeout there (so the invariant is not vacuous)."""
