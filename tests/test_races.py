@@ -181,8 +181,8 @@ async def test_a_refresh_call_coalescing_onto_a_plain_lookup_still_refreshes(
 async def test_a_follower_gets_an_uncached_error_published_just_after_its_block_ran_out(
     make_cache: Any,
 ) -> None:
-    """_follow's XREAD runs out with no event; before its join (mode 'first') reaches the
-    server, the owner's loader fails with an error that is not negative-cached (error_ttl 0;
+    """_follow's wait runs out with no event; before its re-check (a peek, then a join in
+    mode 'first') reaches the server, the owner's loader fails with an error that is not negative-cached (error_ttl 0;
     the same holds for loader timeouts, ValueTooLarge and SerializationError, which are never
     cached). fail_flight deleted meta and waiters, so the join says vacant (rank -1): the
     follower never reads the `error` event that sits right after its last_id, sleeps, claims
@@ -211,18 +211,28 @@ async def test_a_follower_gets_an_uncached_error_published_just_after_its_block_
 
     flights: Any = follower._flights
     real_join = flights._join
+    real_peek = flights.follower._peek
     held = False
 
-    async def join(fk: Any, opts: Any, claim: str, **kw: Any) -> Any:
+    async def hold() -> None:
         nonlocal held
+        held = True
+        gate.set()
+        with contextlib.suppress(Boom):
+            await owner_task
+
+    async def join(fk: Any, opts: Any, claim: str, **kw: Any) -> Any:
         if claim == "first" and not held:  # the follower's block just ran out
-            held = True
-            gate.set()
-            with contextlib.suppress(Boom):
-                await owner_task
+            await hold()
         return await real_join(fk, opts, claim, **kw)
 
+    async def peek(fk: Any, claim: bytes) -> int:  # the re-check's first step, held alike
+        if not held:
+            await hold()
+        return int(await real_peek(fk, claim))
+
     flights._join = join
+    flights.follower._peek = peek
     follower_task = asyncio.ensure_future(follower.do("q", loader))
     with pytest.raises(RemoteError, match="the model is down"):
         await asyncio.wait_for(follower_task, 8)

@@ -45,8 +45,9 @@ def server_binary() -> str:
 
 # A stream's first node is allocated whole (Redis and Valkey preallocate up to 4 KiB, capped
 # by this setting): with the default, each flight's stream costs 4.3 KiB however few entries
-# it holds; with 256, 0.5 KiB. Longer streams (token chunks) take more, smaller nodes.
-STREAM_NODE_MAX_BYTES = 256
+# it holds; with 192, 0.4 KiB, and a stream of 200 token chunks the same as with the default
+# (docs/operations.md, "Server memory and eviction").
+STREAM_NODE_MAX_BYTES = 192
 
 
 def free_port(host: str = "127.0.0.1") -> int:

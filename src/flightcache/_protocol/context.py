@@ -10,6 +10,7 @@ wants one is read from its signature once per call site (its code object), not p
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import time
@@ -98,10 +99,15 @@ def wants_context(fn: Callable[..., Any]) -> bool:
     ``FlightContext``); a parameter with a default (``lambda v=v: ...``) does not count.
 
     Asked once per call site: functions and bound methods are remembered by their code
-    object (a closure made anew for each call shares it), other callables are read each time.
+    object (a closure made anew for each call shares it), ``functools.partial`` objects by
+    their function's code and what they bind; other callables are read each time.
     """
     memo: Any = None
-    if getattr(fn, "__wrapped__", None) is None:  # a decorator's wrapper hides the real one
+    if isinstance(fn, functools.partial):
+        code = getattr(fn.func, "__code__", None)
+        if code is not None and getattr(fn.func, "__wrapped__", None) is None:
+            memo = (code, len(fn.args), tuple(sorted(fn.keywords)))
+    elif getattr(fn, "__wrapped__", None) is None:  # a decorator's wrapper hides the real one
         memo = getattr(fn, "__code__", None)
         if memo is None:
             func = getattr(fn, "__func__", None)  # a bound method: its self is bound

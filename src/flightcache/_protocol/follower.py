@@ -3,7 +3,9 @@
 Events arrive on the wake channel (``wakeup.py``): the entries the owner's scripts appended,
 applied after the follower's cursor; a message out of step, or a gap in hearing, makes the
 follower read its stream from the cursor instead. An owner that writes nothing (dead or
-frozen) is found by the lease-bounded re-check, a ``join_flight`` in mode 'first'.
+frozen) is found by the lease-bounded re-check: a ``peek_flight`` (does the claim it follows
+still hold the flight? the peeks of one turn of the loop go out in one write), and a
+``join_flight`` in mode 'first' only when it does not.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from .._errors import FlightTimeout
 from .._keys import FlightKeys
 from .._types import CallOptions
 from .jobs import Job
-from .state import FOLLOW, State
+from .pipelined import Together
+from .state import FOLLOW, LUA, State
 from .wakeup import Entry, Waiter, entry_key
 
 if TYPE_CHECKING:
@@ -31,6 +34,12 @@ class Follower:
 
     def __init__(self, flights: RedisFlights) -> None:
         self.flights = flights
+        self._peeks = Together(flights.conn, LUA["peek_flight"])
+
+    async def _peek(self, fk: FlightKeys, claim: bytes) -> int:
+        """The lease left (ms) while the claim whose ``claimed`` entry is ``claim`` still
+        holds the flight, else -1."""
+        return int(await self._peeks.call([fk.meta], [claim]))
 
     async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
         """The flight's stream after ``cursor``: what a follower missed (one short command
@@ -94,6 +103,7 @@ class Follower:
         margin_s = self.flights.tuning.block_margin_ms / 1000
         recheck_at = self.flights.clock() + state.lease_left_ms / 1000 + margin_s
         last_id = state.last_id  # every event that can end this flight comes after it
+        claim = state.last_id  # the `claimed` entry of the claim followed
         if not job.inline_ok:
             waiter.lost()  # a stream: chunks appended before the join are read at once
         while True:
@@ -110,6 +120,7 @@ class Follower:
                     if kind == b"claimed":  # past our position: the owner we followed died
                         log.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
                         job.on_claimed(entry_id)
+                        claim = entry_id
                         continue
                     if kind == b"chunk":
                         job.on_chunk(int(fields[b"s"]), fields[b"v"])
@@ -140,11 +151,18 @@ class Follower:
                 continue
             if self.flights.clock() >= deadline:
                 continue  # the wait bound, not the lease, ran out
-            # The wait ran out with no event: is the owner still alive?
+            # The wait ran out with no event: is the owner still alive? While the claim we
+            # follow still holds the flight (renewed), nothing can have been missed: its end
+            # would have deleted meta, a takeover would have changed its claim.
+            left_ms = await self._peek(fk, claim)
+            if left_ms > 0:
+                recheck_at = self.flights.clock() + left_ms / 1000 + margin_s
+                continue
             now = await self.flights._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
             if now.kind != FOLLOW:
                 return replace(now, since=last_id)
             job.on_follow(now.last_id)
+            claim = now.last_id
             if entry_key(now.last_id) > entry_key(last_id):
                 last_id = now.last_id  # a later claim: its events start there
             recheck_at = self.flights.clock() + now.lease_left_ms / 1000 + margin_s

@@ -18,6 +18,7 @@ LUA = scripts(
     "complete_flight",
     "fail_flight",
     "read_result",
+    "peek_flight",
 )
 
 HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4

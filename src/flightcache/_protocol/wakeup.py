@@ -56,18 +56,19 @@ class Waiter:
     """One follower's mailbox for one digest: messages in arrival order, and whether the
     follower must re-read its stream (a message may have been missed)."""
 
-    __slots__ = ("_event", "digest", "gap", "hub", "messages")
+    __slots__ = ("_future", "digest", "gap", "hub", "messages")
 
     def __init__(self, hub: WakeHub, digest: str, gap: bool) -> None:
         self.hub = hub
         self.digest = digest
         self.messages: list[tuple[bytes, list[Entry]]] = []
         self.gap = gap
-        self._event: asyncio.Event | None = None  # made when someone waits (hits never do)
+        self._future: asyncio.Future[bool] | None = None  # while someone waits (hits never)
 
     def _wake(self) -> None:
-        if self._event is not None:
-            self._event.set()
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(True)
 
     def push(self, prev: bytes, entries: list[Entry]) -> None:
         self.messages.append((prev, entries))
@@ -82,24 +83,30 @@ class Waiter:
         return self.gap or bool(self.messages)
 
     async def wait(self, timeout_s: float) -> bool:
-        """Until there is news, or ``timeout_s`` passed (then False)."""
+        """Until there is news, or ``timeout_s`` passed (then False). A future and a timer
+        (no task, no ``wait_for``): a wake-up is one step of the loop for the follower, which
+        counts when ten thousand of them come at once."""
         if self.pending:
             return True
-        if self._event is None:
-            self._event = asyncio.Event()
-        self._event.clear()
+        loop = asyncio.get_running_loop()
+        future = self._future = loop.create_future()
+        timer = loop.call_later(timeout_s, _ran_out, future)  # the wait's bound
         try:
-            await asyncio.wait_for(self._event.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return self.pending
-        return True
+            await future
+        finally:
+            timer.cancel()
+            self._future = None
+        return self.pending
 
     def take(self) -> tuple[bool, list[tuple[bytes, list[Entry]]]]:
         gap, messages = self.gap, self.messages
         self.gap, self.messages = False, []
-        if self._event is not None:
-            self._event.clear()
         return gap, messages
+
+
+def _ran_out(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 class WakeHub:
