@@ -186,8 +186,9 @@ async def test_a_follower_gets_an_uncached_error_published_just_after_its_block_
     negative-cached (error_ttl 0; the same holds for loader timeouts, ValueTooLarge and
     SerializationError, which are never cached). fail_flight deleted meta and waiters, so
     the join says vacant (rank -1): the follower never reads the `error` event that sits
-    right after its last_id, sleeps, claims and runs the loader again. The error should reach it ("a loader's exception reaches
-    every follower of that flight") and the loader should have run once.
+    right after its last_id, sleeps, claims and runs the loader again. The error should
+    reach it ("a loader's exception reaches every follower of that flight") and the loader
+    should have run once.
 
     The interleaving is forced by holding the follower's join until the owner has finished
     (as if the follower process were descheduled for that moment)."""
