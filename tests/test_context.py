@@ -134,6 +134,36 @@ async def test_the_owner_writes_under_its_token_and_nobody_else_does(
     assert await fc.get("k") == "set under the token"
 
 
+async def test_on_a_cluster_the_owner_writes_under_its_token_before_its_claim_is_confirmed(
+    cluster: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a Cluster the loader starts before ``confirm_claim`` has attached its token to
+    meta; a ``set(if_token=)`` made at once waits for that confirmation (held back here for
+    0.3 s) instead of being refused for a token meta does not have yet."""
+    from flightcache import FlightCache
+    from flightcache._backends.redis import RedisConnection
+
+    real = RedisConnection.script
+
+    async def slow_confirm(self: Any, lua: Any, fk: Any, keys: Any, args: Any) -> Any:
+        if lua.name == "confirm_claim":
+            await asyncio.sleep(0.3)
+        return await real(self, lua, fk, keys, args)
+
+    monkeypatch.setattr(RedisConnection, "script", slow_confirm)
+    fc = FlightCache(cluster.url, namespace=namespace, near_cache=False)
+    try:
+
+        async def owner(flight: FlightContext) -> str:
+            await fc.set("k", "set under the token", if_token=flight.token)
+            return "returned"
+
+        assert await fc.do("k", owner) == "returned"
+        assert await fc.get("k") == "set under the token"
+    finally:
+        await fc.aclose()
+
+
 async def test_a_timed_out_run_is_told_it_is_cancelled(backend_url: str, make_cache: Any) -> None:
     fc = make_cache(backend_url, lease=1.0)
     seen: list[FlightContext] = []

@@ -296,4 +296,7 @@ class Engine:
     ) -> Invalidation:
         await self._ready()
         assert self._parts is not None
+        if if_token is not None:  # a Cluster's claim confirmed beside its loader: wait for it
+            for flights in self._parts.redis_flights:
+                await flights.confirmed(if_token)
         return await self._parts.replacer.replace(fk, data, ttl_ms, if_token)

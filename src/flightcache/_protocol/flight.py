@@ -79,6 +79,7 @@ class RedisFlights:
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
         self._confirms: set[asyncio.Task[Any]] = set()  # confirm_claim, sent beside loaders
+        self._confirming: dict[int, asyncio.Task[Any]] = {}  # the same, by token
         self._claim_prefix = secrets.token_hex(8) + "-"  # 64 random bits a cache, then a counter
         self._claims = 0
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
@@ -458,12 +459,23 @@ class RedisFlights:
         )
         task = asyncio.ensure_future(confirm)
         self._confirms.add(task)
-        task.add_done_callback(self._confirmed)
+        self._confirming[token] = task
+        task.add_done_callback(lambda t: self._confirmed(t, token))
         log_claim.debug("flight %s: owner with token %d", fk.digest, token)
         return token, granted
 
-    def _confirmed(self, task: asyncio.Task[Any]) -> None:
+    async def confirmed(self, token: int) -> None:
+        """Once the ``confirm_claim`` of ``token``'s claim, if one is on its way, is
+        answered: a write fenced by the token alone (``set(if_token=)``) then finds the
+        token in meta if the claim still holds. Its failure is not this caller's: the write
+        is refused by its own check then."""
+        task = self._confirming.get(token)
+        if task is not None:
+            await asyncio.wait([task])  # (shielded: the confirmation is not ours to cancel)
+
+    def _confirmed(self, task: asyncio.Task[Any], token: int) -> None:
         self._confirms.discard(task)
+        self._confirming.pop(token, None)
         if not task.cancelled() and task.exception() is not None:
             # The owner's fenced writes confirm the claim themselves (or are refused).
             log_claim.info("confirm_claim failed: %r", task.exception())
