@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", action="store_true", help="also the larger scopes")
     parser.add_argument("--max-states", type=int, default=0, help="stop after this many")
     parser.add_argument(
-        "--peek",
+        "--no-peek",
         action="store_true",
-        help="a follower's re-check starts with peek_flight (follower.py's change under way)",
+        help="a follower's re-check as before 0cfd53e: join_flight at once, no peek_flight",
     )
     parser.add_argument("--list", action="store_true", help="list scopes and invariants")
     args = parser.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         known = frozenset({args.known_issue}) if args.known_issue else frozenset()
         scope = ALL[scope_name]
         res = check(
-            Model(scope, args.mutant or "", known, peek=args.peek),
+            Model(scope, args.mutant or "", known, peek=not args.no_peek),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for scope in scopes:
         res = check(
-            Model(scope, peek=args.peek),
+            Model(scope, peek=not args.no_peek),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )

@@ -105,13 +105,14 @@ class Model:
         scope: Scope,
         mutant: str = "",
         known: frozenset[str] = frozenset(),
-        peek: bool = False,
+        peek: bool = True,
     ):
         if mutant and mutant not in MUTANTS:
             raise ValueError(f"unknown mutant {mutant!r}")
         self.scope = scope
         # A follower's re-check starts with peek_flight (is the claim it follows still the
-        # flight's?) and joins only when it is not: follower.py as being changed now.
+        # flight's?) and joins only when it is not (0cfd53e); False: the re-check before it,
+        # a join_flight in mode first at once.
         self.peek = peek
         self.mutant = mutant
         self.known = known
