@@ -1,18 +1,18 @@
 """The model's invariants against a real server: hypothesis chooses the interleavings.
 
-Three simulated processes drive the real Lua scripts (``join_flight``, ``renew_leases``,
-``complete_flight``, ``fail_flight``, ``replace_result``, ``end_replace``, ``read_result``)
-on the session's private server, each with its own node id and wake channel (a real
-pub/sub subscription), and use the real client pieces that do not need an event loop: the
-join's reply parser (``state_of``), the wake message parser (``parse_message``) and the
-follower's rule for a message out of step (``entry_key``), and each node's real
+Three simulated processes drive the real Lua scripts (``join_flight``, ``peek_flight``,
+``renew_leases``, ``complete_flight``, ``fail_flight``, ``replace_result``, ``end_replace``,
+``read_result``) on the session's private server, each with its own node id and wake channel
+(a real pub/sub subscription), and use the real client pieces that do not need an event
+loop: the join's reply parser (``state_of``), the wake message parser (``parse_message``)
+and the follower's rule for a message out of step (``entry_key``), and each node's real
 ``NearCache`` and ``Leaser`` on an injectable clock. A pause is a process hypothesis does
 not schedule; a lease lapses by ``PEXPIRE`` on meta; time for read leases is the injected
 clock, advanced by a rule. After every step the checks of docs/protocol.md "The model check"
 run: one stored result per flight, written by the current token's holder; no store after a
 takeover; every returned value was produced by an owner (or given to ``set``); a follower
-applies only its own flight's events; and no near cache serves a value that an
-invalidation which has returned replaced.
+applies only its own flight's events; and no near cache serves a value that an invalidation
+which has returned replaced.
 """
 
 from __future__ import annotations
@@ -381,9 +381,20 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
 
         @rule(i=st.integers(0, PROCS - 1))
         def recheck(self, i: int) -> None:
+            """follower.py's re-check: peek_flight, and a join in mode first only when meta
+            no longer holds the claim it follows. The peek's argument is checked here: while
+            meta holds that claim, nothing it waits for is on the stream after its cursor
+            (every end deletes meta, a takeover writes another claimEntry)."""
             p = self.procs[i]
-            if p.phase == "follow":
-                self.join(p, "first", p.cursor)
+            if p.phase != "follow":
+                return
+            left = int(scripts["peek_flight"](keys=[self.fk.meta], args=[p.gen]))
+            if left > 0:
+                after = client.xrange(self.fk.stream, b"(" + p.cursor, b"+")
+                missed = [(e, f[b"t"]) for e, f in after if f[b"t"] != b"chunk"]
+                assert not missed, f"p{p.pid}'s peek said its claim holds; it missed {missed}"
+                return
+            self.join(p, "first", p.cursor)
 
         @rule()
         def lease_lapses(self) -> None:
