@@ -179,9 +179,9 @@ LARGE += (
         "bound-3",
         (("do",), ("do",), ("do",)),
         timeouts=(1, 1, 1),
-        budget=Budget(crash=1, lose=1, close=1),
+        budget=Budget(crash=1, close=1),
         doc="three callers with timeout=1 s (loaders bounded too): takeovers in a chain, a "
-        "crash, a lost message and a closed owner",
+        "crash and a closed owner (bound-2 and bound-2-close lose messages)",
     ),
     Scope(
         "streams-2-chunks",
