@@ -53,10 +53,14 @@ async def script_calls(conn: RedisConnection, lua: Script, calls: Sequence[Call]
 class Together:
     """Calls of one script made at about the same time, sent in one round trip: a call
     waits until no other call has joined it for one turn of the event loop (at most
-    ``MAX_TURNS``), then all of them go out together (``script_calls``). The owner sends
-    the completions of a batch this way: its keys finish in the same few turns."""
+    ``MAX_TURNS`` turns and ``MAX_WAIT_S``), then all of them go out together
+    (``script_calls``). The owner sends the completions of a batch this way: its keys
+    finish in the same few turns; followers send their lease re-checks (peeks) so."""
 
     MAX_TURNS = 16
+    # ...and at most this long: on a busy loop a turn takes milliseconds, and calls that keep
+    # coming (ten thousand flights ending within seconds) must not hold each batch for 16.
+    MAX_WAIT_S = 0.002
 
     def __init__(self, conn: RedisConnection, lua: Script) -> None:
         self.conn = conn
@@ -74,8 +78,10 @@ class Together:
     async def _flush(self) -> None:
         try:
             seen = -1
+            loop = asyncio.get_running_loop()
+            until = loop.time() + self.MAX_WAIT_S
             for _ in range(self.MAX_TURNS):  # let the others made in these turns join
-                if len(self._queue) == seen:
+                if len(self._queue) == seen or loop.time() >= until:
                     break
                 seen = len(self._queue)
                 await asyncio.sleep(0)
