@@ -164,9 +164,13 @@ def _join(m: Model, world: World, pid: int, proc: Proc, mode: str, since: int, l
     shown = _show(reply)
     if proc.due == 0:  # _resolve's loop checks the deadline before it acts on any answer
         proc = _done(m, world, pid, proc, TIMEOUT, why)
-        shown += ", past the wait bound: FlightTimeout" + (
-            " (the claim is left to lapse)" if reply[0] == "claimed" else ""
-        )
+        shown += ", past the wait bound: FlightTimeout"
+        if reply[0] == "claimed" and reply[2]:  # a claim with its token: given back at once
+            server, _code, more = scripts.fail_flight(server, reply[2], 0, "reset")
+            wake = (*wake, *more)
+            shown += " (the claim given back)"
+        elif reply[0] == "claimed":  # a Cluster's claim without its token yet
+            shown += " (the claim is left to lapse)"
     else:
         proc, _ = _on_join(m, world, pid, proc, reply, why)
     return (f"{label} -> {shown}", _put(world, pid, proc, server, ghost, wake), why)

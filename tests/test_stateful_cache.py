@@ -385,15 +385,6 @@ def test_the_checks_catch_a_stale_owners_store_when_the_fence_is_cut(
         h.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flight.py _resolve checks the wait bound before it acts on a join's answer, "
-    "and a follower's join after a 'reset' (follower.py) may have claimed the flight: the "
-    "call raises FlightTimeout holding a claim nobody runs or gives back, so the key's "
-    "other callers wait out its lease (the model's bound-2-close scope reaches the step: "
-    "'join first -> claimed ..., past the wait bound: FlightTimeout (the claim is left to "
-    "lapse)')",
-)
 async def test_a_caller_whose_wait_bound_passes_as_it_claims_gives_the_claim_back(
     make_cache: Callable[..., FlightCache], redis_client: aioredis.Redis
 ) -> None:

@@ -10,6 +10,7 @@ It returns the stored bytes of the result (a value or an error record).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -256,6 +257,11 @@ class RedisFlights:
         backoff = 0.05
         while True:
             if self.clock() >= deadline:
+                if state is not None and state.kind == CLAIMED and state.token:
+                    # The join that found the bound passed claimed the flight: give it back,
+                    # so the key's other callers claim now, not after its lease.
+                    with contextlib.suppress(FlightError):
+                        await self.owner.give_back(fk, state.token)
                 raise FlightTimeout(
                     f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
                 )
