@@ -59,32 +59,28 @@ class CallRecord:
         return None
 
 
-class ObservedLoaderJob(LoaderJob):
+class _Observed:
+    """Notes in ``record`` whether this process ran or followed the job: a mixin placed
+    before the job class, whose ``run`` and ``on_follow`` it wraps."""
+
+    record: CallRecord
+
+    async def run(self, append: Append | None, context: FlightContext) -> bytes:
+        self.record.owned(context)
+        ran: bytes = await super().run(append, context)  # type: ignore[misc]
+        return ran
+
+    def on_follow(self, claim_entry: bytes) -> None:
+        self.record.followed()
+        super().on_follow(claim_entry)  # type: ignore[misc]
+
+
+class ObservedLoaderJob(_Observed, LoaderJob):
     """A ``LoaderJob`` that notes in ``record`` whether this process ran or followed it."""
 
-    record: CallRecord
 
-    async def run(self, append: Append | None, context: FlightContext) -> bytes:
-        self.record.owned(context)
-        return await super().run(append, context)
-
-    def on_follow(self, claim_entry: bytes) -> None:
-        self.record.followed()
-        super().on_follow(claim_entry)
-
-
-class ObservedStreamJob(StreamJob):
+class ObservedStreamJob(_Observed, StreamJob):
     """A ``StreamJob`` that notes in ``record`` whether this process ran or followed it."""
-
-    record: CallRecord
-
-    async def run(self, append: Append | None, context: FlightContext) -> bytes:
-        self.record.owned(context)
-        return await super().run(append, context)
-
-    def on_follow(self, claim_entry: bytes) -> None:
-        self.record.followed()
-        super().on_follow(claim_entry)
 
 
 class Observer(Protocol):
