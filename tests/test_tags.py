@@ -181,15 +181,19 @@ async def test_on_a_cluster_a_flight_before_the_invalidation_is_stale_everywhere
     cluster: Any, make_cache: Any
 ) -> None:
     owner, other = make_cache(cluster.url), make_cache(cluster.url)
-    gate = asyncio.Event()
+    gate, running = asyncio.Event(), asyncio.Event()
 
     async def slow() -> str:
+        running.set()
         await gate.wait()
         return "old"
 
     tags = [f"tag-{i}" for i in range(8)]  # in as many slots
     call = asyncio.ensure_future(owner.do("k", slow, tags=tags))
     await wait_for_flight(other, "k")
+    # The flight has started once its loader runs: its tags' versions are read just before
+    # (an invalidation between the claim and that read is one the loader's reads come after).
+    await asyncio.wait_for(running.wait(), 10)
     inv = await other.invalidate_tags(tags[3:4])
     assert inv.how == "acked" and inv.nodes == 1
     gate.set()
