@@ -45,7 +45,6 @@ class Lease:
         "_work",
         "args",
         "digest",
-        "dropped",
         "interval_s",
         "lease_s",
         "lost",
@@ -72,7 +71,6 @@ class Lease:
         self.reason = ""
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
-        self.dropped = False  # removed by its owner
 
     def give_up(self, reason: str) -> None:
         """On the loader's loop: the lease is lost, its loader is cancelled."""
@@ -121,7 +119,6 @@ class _Book:
     def remove(self, lease: Lease) -> None:
         """The lease needs no more renewals (its loader ended); a batch already on the wire
         may still renew it once, which is harmless, and its answer is ignored."""
-        lease.dropped = True
         self._leases.pop(id(lease), None)
 
     def _give_up(self, lease: Lease, reason: str) -> None:
@@ -149,6 +146,16 @@ class _Book:
             else:
                 left.append(lease)
         return left
+
+    def _waiting(self, waiting: list[Lease]) -> tuple[list[Lease], float | None]:
+        """The leases of a batch (by ``proven_until``) still waiting for its answer, and how
+        long more to wait for it (None: none is). A renewal still unanswered when a lease
+        runs out proves nothing for that lease: it is given up then, while the others wait
+        on for the same answer."""
+        waiting = self._lapse(waiting, "no answer")
+        if not waiting:
+            return waiting, None
+        return waiting, max(waiting[0].proven_until - self._clock(), 0.001)
 
     def _failed(self, batch: Sequence[Lease], exc: Exception) -> None:
         for lease in self._lapse(batch, repr(exc)):
@@ -213,16 +220,13 @@ class Renewer(_Book):
         reply = asyncio.ensure_future(self._renew(batch))
         waiting = sorted(batch, key=lambda lease: lease.proven_until)
         try:
-            # A renewal still unanswered when a lease runs out proves nothing for that
-            # lease: it is given up then, while the others wait on for the same reply.
-            while waiting:
-                limit = max(waiting[0].proven_until - self._clock(), 0.001)
+            while True:
+                waiting, limit = self._waiting(waiting)
+                if limit is None:
+                    return
                 done, _ = await asyncio.wait({reply}, timeout=limit)  # a lease's proof
                 if done:
                     break
-                waiting = self._lapse(waiting, "no answer")
-            if not waiting:
-                return
             answers = reply.result()
         except FlightError as exc:
             self._failed(waiting, exc)
@@ -331,13 +335,9 @@ class ThreadRenewer(_Book):
         waiting = sorted(batch, key=lambda lease: lease.proven_until)
 
         def patience() -> float | None:
-            # A renewal still unanswered when a lease runs out proves nothing for that
-            # lease: it is given up then, while the others wait on for the same reply.
             nonlocal waiting
-            waiting = self._lapse(waiting, "no answer")
-            if not waiting or self._closing:
-                return None
-            return max(waiting[0].proven_until - self._clock(), 0.001)
+            waiting, limit = self._waiting(waiting)
+            return None if self._closing else limit
 
         try:
             answers = self._renew(batch, patience)
