@@ -79,8 +79,8 @@ class RedisFlights:
         self.follower = Follower(self)
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
-        self._confirms: set[asyncio.Task[Any]] = set()  # confirm_claim, sent beside loaders
-        self._confirming: dict[int, asyncio.Task[Any]] = {}  # the same, by token
+        # confirm_claim, sent beside loaders, by token (kept here until it is answered)
+        self._confirming: dict[int, asyncio.Task[Any]] = {}
         self._claim_prefix = secrets.token_hex(8) + "-"  # 64 random bits a cache, then a counter
         self._claims = 0
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
@@ -464,7 +464,6 @@ class RedisFlights:
             LUA["confirm_claim"], fk, (fk.meta,), (state.claim_id, token, opts.lease_ms)
         )
         task = asyncio.ensure_future(confirm)
-        self._confirms.add(task)
         self._confirming[token] = task
         task.add_done_callback(lambda t: self._confirmed(t, token))
         log_claim.debug("flight %s: owner with token %d", fk.digest, token)
@@ -480,7 +479,6 @@ class RedisFlights:
             await asyncio.wait([task])  # (shielded: the confirmation is not ours to cancel)
 
     def _confirmed(self, task: asyncio.Task[Any], token: int) -> None:
-        self._confirms.discard(task)
         self._confirming.pop(token, None)
         if not task.cancelled() and task.exception() is not None:
             # The owner's fenced writes confirm the claim themselves (or are refused).
