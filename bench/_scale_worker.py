@@ -5,13 +5,15 @@ liveness heartbeat stays out of the windows the bench counts) for its whole life
 orders as JSON lines on stdin (``bench._orders``), answering each with one JSON line:
 
 - ``{"op": "warm"}``: as ``bench._worker``'s: one flight and a few reads.
-- ``{"op": "own", "prefix", "keys", "loader_s", "wave", "timeout"}``: start
+- ``{"op": "own", "prefix", "keys", "loader_s", "spread_s", "wave", "timeout"}``: start
   ``fc.do(f"{prefix}:{i}")`` for ``i`` in ``range(keys)``, ``wave`` calls at a time (the
   next wave once every loader of the last one runs; 0: all at once), each with a loader that
-  sleeps ``loader_s`` and returns ``{"i", "pid", "end"}`` (``end``: ``time.monotonic()`` as
-  it returns, one clock for every process on a Linux machine). Answers once every loader
-  runs (or its call failed, or ``timeout`` passed): how long that took, how many loaders
-  started and leases were lost meanwhile. The calls go on.
+  sleeps ``loader_s`` plus its share of ``spread_s`` (the keys' shares spread evenly over
+  it, mixed across the waves; 0: every wave's loaders end together) and returns
+  ``{"i", "pid", "end"}`` (``end``: ``time.monotonic()`` as it returns, one clock for every
+  process on a Linux machine). Answers once every loader runs (or its call failed, or
+  ``timeout`` passed): how long that took, how many loaders started and leases were lost
+  meanwhile. The calls go on.
 - ``{"op": "follow", "prefix", "keys"}``: start the same calls with a loader that must never
   run; answers at once. The calls go on.
 - ``{"op": "progress"}``: this cache's ``fc.stats`` counters since the last ``own`` or
@@ -62,6 +64,7 @@ class LogCounts(logging.Handler):
 
 
 LOGGED = LogCounts()
+SPREAD_STEP = 7919  # a prime: key i's place in the spread is i * SPREAD_STEP mod keys
 
 
 class Batch:
@@ -74,6 +77,7 @@ class Batch:
         self.keys = int(msg["keys"])
         self.prefix = str(msg["prefix"])
         self.loader_s = float(msg.get("loader_s", 0.0))
+        self.spread_s = float(msg.get("spread_s", 0.0))
         self.pid = os.getpid()
         self.loader_starts: list[float] = []  # every run, restarts after a lost lease too
         self.loading: set[int] = set()  # the keys whose loader has started at least once
@@ -110,8 +114,9 @@ class Batch:
         self.loader_starts.append(time.monotonic())
         self.loading.add(i)
         self._moved.set()
-        if self.owner:
-            await asyncio.sleep(self.loader_s)
+        if self.owner:  # with a spread, the ends of the keys mixed over spread_s
+            share = (i * SPREAD_STEP % self.keys) / self.keys
+            await asyncio.sleep(self.loader_s + self.spread_s * share)
         end = time.monotonic()
         self.loader_ends.append(end)
         return {"i": i, "pid": self.pid, "end": end}

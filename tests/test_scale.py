@@ -396,3 +396,29 @@ async def test_calls_past_a_full_pool_ride_together_and_none_fails(
     assert values == ["v"] * 1000
     assert 0 < convoy.batches < 200  # 200 calls a write at most: 2,000 calls in > 10 writes
     assert 0 < peak <= 4 + 1 + 1, peak
+
+
+async def test_calls_made_together_share_a_write_and_a_lone_call_goes_at_once(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """A lone hit is written at once, alone (the convoy carries nothing). 100 hits of
+    distinct keys asked in one turn of the loop: the first goes alone, the other 99 wait
+    for the end of the turn and go out in one write (two at most), each answered right."""
+    fc = FlightCache(private_server.url, namespace=namespace, near_cache=False)
+
+    async def never() -> str:
+        raise AssertionError("every key is stored")
+
+    try:
+        for i in range(100):
+            await fc.set(f"k{i}", f"v{i}")
+        convoy = _conn_of(fc)._convoy
+        batches, carried = convoy.batches, convoy.carried
+        assert await fc.do("k0", never) == "v0"
+        assert (convoy.batches, convoy.carried) == (batches, carried)
+        values = await asyncio.gather(*(fc.do(f"k{i}", never) for i in range(100)))
+        assert values == [f"v{i}" for i in range(100)]
+        assert convoy.carried - carried == 99
+        assert 1 <= convoy.batches - batches <= 2
+    finally:
+        await fc.aclose()

@@ -38,17 +38,15 @@ def pack_calls(calls: Sequence[Call]) -> bytes:
         count = b"%d" % len(keys)
         out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
         for arg in (*keys, *args):
-            part = seen.get(arg) if type(arg) in (str, bytes) else None
-            if part is None:
-                if type(arg) is bytes:
-                    data = arg
-                elif type(arg) is str:
-                    data = arg.encode()
-                else:
-                    out.append(pack_command(arg)[4:])
-                    continue
-                part = seen[arg] = b"$%d\r\n%b\r\n" % (len(data), data)
-            out.append(part)
+            kind = type(arg)
+            if kind is str or kind is bytes or kind is int:  # not bool: True == 1 as a key
+                part = seen.get(arg)
+                if part is None:
+                    data = arg if kind is bytes else arg.encode() if kind is str else b"%d" % arg
+                    part = seen[arg] = b"$%d\r\n%b\r\n" % (len(data), data)
+                out.append(part)
+            else:
+                out.append(pack_command(arg)[4:])
     return b"".join(out)
 
 
@@ -107,35 +105,65 @@ async def send_calls(
 
 
 class Convoy:
-    """The script calls made while every connection of the pool is busy, sent together.
+    """Every script call to one server, sent together with the others made meanwhile.
 
-    A call waits here instead of for a connection of its own: one task takes the next
-    connection that frees up and sends every call waiting then (up to ``MAX_CALLS``) in one
-    write, and goes on while calls keep coming. A burst of ten thousand joins becomes a
-    few dozen round trips, and a renewal never queues behind ten thousand waiters for a
-    connection. A caller cancelled before its call went out is dropped from the batch; one
-    cancelled after has its reply ignored (the scripts are safe either way).
+    A call made while none of this process's calls is on the wire goes at once, on a
+    connection of its own (a lone call waits for nothing). A call made while others are out
+    waits here instead: at the end of the loop's turn, one task takes a connection and sends
+    every call waiting then (up to ``MAX_CALLS``) in one write, and goes on while calls keep
+    coming; at most ``MAX_WRITES`` such writes are out at once, so this process packs its
+    next batch while the server runs the last. Concurrent callers cost one write and one
+    read for many calls instead of a connection checkout, a write and a read each (the
+    packing is what redis-py spends most of a call on), and a burst of ten thousand joins
+    becomes a few dozen round trips, so a renewal never queues behind ten thousand waiters
+    for a connection. A caller cancelled before its call went out is dropped from the
+    batch; one cancelled after has its reply ignored (the scripts are safe either way).
     """
 
     MAX_CALLS = 200
+    MAX_WRITES = 2
 
-    def __init__(self, pool: Any, load: Load) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        load: Load,
+        direct: Callable[[Script, Sequence[str], Sequence[Any]], Awaitable[tuple[Any, float]]],
+    ) -> None:
         self._pool = pool
         self._load = load
+        self._direct = direct
         self._queue: list[tuple[Call, asyncio.Future[Any], float]] = []  # (.., queued at)
-        self._task: asyncio.Task[None] | None = None
-        self.batches = 0
+        self._out = 0  # calls sent alone and batches, on the wire now
+        self._drains: set[asyncio.Task[None]] = set()
+        self._flushing = False
+        self.batches = 0  # writes that carried waiting calls
+        self.carried = 0  # the calls they carried
 
     async def call(
         self, lua: Script, keys: Sequence[str], args: Sequence[Any]
     ) -> tuple[Any, float]:
-        """The call's reply, and how long it waited here before it was written; its error
-        reply (a ``ResponseError``) or the pool's failure raised."""
-        future: asyncio.Future[tuple[Any, float]] = asyncio.get_running_loop().create_future()
+        """The call's reply, and how long it waited in this process before it was written;
+        its error reply (a ``ResponseError``) or the pool's failure raised."""
+        if self._out == 0 and not self._queue and not self._pool.saturated:
+            self._out += 1
+            try:
+                return await self._direct(lua, keys, args)
+            finally:
+                self._out -= 1
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[Any, float]] = loop.create_future()
         self._queue.append(((lua, keys, args), future, time.monotonic()))
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._drain())
+        if not self._flushing:
+            self._flushing = True
+            loop.call_soon(self._flush)  # after the calls made in this turn of the loop
         return await future
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self._queue and len(self._drains) < self.MAX_WRITES:
+            task = asyncio.get_running_loop().create_task(self._drain())
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
 
     async def _drain(self) -> None:
         batch: list[tuple[Call, asyncio.Future[Any], float]] = []
@@ -146,7 +174,9 @@ class Convoy:
                 if not batch:
                     continue
                 self.batches += 1
+                self.carried += len(batch)
                 sent: list[float] = []
+                self._out += 1
                 try:
                     calls = [call for call, _, _ in batch]
                     replies = await send_calls(self._pool, calls, self._load, sent=sent)
@@ -155,6 +185,8 @@ class Convoy:
                         if not future.done():
                             future.set_exception(exc)
                     continue
+                finally:
+                    self._out -= 1
                 for (_, future, queued), reply in zip(batch, replies, strict=True):
                     if future.done():
                         continue
@@ -162,6 +194,7 @@ class Convoy:
                         future.set_exception(reply)
                     else:
                         future.set_result((reply, sent[0] - queued))
+                batch = []
                 # Let the callers answered take their next step before more calls go out: a
                 # claim's lease runs from when its join is sent, so its owner should start
                 # (and register the lease for renewal) soon after, not behind later batches.
@@ -171,11 +204,9 @@ class Convoy:
                 future.cancel()
             self._queue = []
             raise
-        finally:
-            self._task = None
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
+        drains, self._drains = list(self._drains), set()
+        for task in drains:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*drains, return_exceptions=True)

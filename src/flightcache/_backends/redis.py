@@ -121,7 +121,7 @@ class RedisConnection:
         self.lane: aioredis.Redis = aioredis.Redis(connection_pool=pool.lane_view())  # type: ignore[arg-type]
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking_pool)
         self.scripts: dict[str, Any] = {}
-        self._convoy = Convoy(pool, self._load)
+        self._convoy = Convoy(pool, self._load, self._evalsha)
 
     def _sentinel_pools(
         self, url: str, common: dict[str, Any], socket_timeout: float, connect_timeout: float
@@ -368,10 +368,9 @@ class RedisConnection:
         from the write, not from the call (0 on a Cluster: counted from the call)."""
         if self.cluster is None:
             convoy = self._convoy
-            if convoy is not None and self.client.connection_pool.saturated:  # type: ignore[attr-defined]
-                # Every connection is busy: ride with the others waiting, one write for all.
-                return await self.run(lambda: convoy.call(lua, keys, args), fk)
-            return await self.run(lambda: self._evalsha(lua, keys, args), fk)
+            assert convoy is not None
+            # Alone, at once; with others on the wire, together with them (one write).
+            return await self.run(lambda: convoy.call(lua, keys, args), fk)
         script = self.scripts.get(lua.name)
         if script is None:
             script = self.scripts[lua.name] = self.client.register_script(lua.text)

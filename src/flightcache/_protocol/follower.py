@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,14 @@ if TYPE_CHECKING:
     from .flight import RedisFlights
 
 log = logging.getLogger("flightcache.follow")
+
+# A lease re-check comes up to this share of the lease (and at most RECHECK_SPREAD_MAX_S)
+# after the lease's end, drawn for each wait: one owner renews all its leases in one batch,
+# so the leases its flights have left end together, and the followers of ten thousand such
+# flights would all re-check in one turn of the loop (a stall of ~100 ms every renewal
+# interval, which every wake message arriving then waits out).
+RECHECK_SPREAD = 0.1
+RECHECK_SPREAD_MAX_S = 0.25
 
 
 class Follower:
@@ -101,7 +110,14 @@ class Follower:
         are fenced), so no token needs checking here. No connection is held while waiting.
         """
         margin_s = self.flights.tuning.block_margin_ms / 1000
-        recheck_at = self.flights.clock() + state.lease_left_ms / 1000 + margin_s
+        spread_s = min(opts.lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
+
+        def recheck_in(lease_left_ms: int) -> float:  # when the next re-check is due
+            return (
+                self.flights.clock() + lease_left_ms / 1000 + margin_s + random.random() * spread_s
+            )
+
+        recheck_at = recheck_in(state.lease_left_ms)
         last_id = state.last_id  # every event that can end this flight comes after it
         claim = state.last_id  # the `claimed` entry of the claim followed
         if not job.inline_ok:
@@ -147,7 +163,7 @@ class Follower:
                         )
                         return replace(now, since=entry_id)
                 if news:  # the owner is alive: a whole lease before the next re-check
-                    recheck_at = self.flights.clock() + opts.lease_ms / 1000 + margin_s
+                    recheck_at = recheck_in(opts.lease_ms)
                 continue
             if self.flights.clock() >= deadline:
                 continue  # the wait bound, not the lease, ran out
@@ -156,7 +172,7 @@ class Follower:
             # would have deleted meta, a takeover would have changed its claim.
             left_ms = await self._peek(fk, claim)
             if left_ms > 0:
-                recheck_at = self.flights.clock() + left_ms / 1000 + margin_s
+                recheck_at = recheck_in(left_ms)
                 continue
             now = await self.flights._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
             if now.kind != FOLLOW:
@@ -165,4 +181,4 @@ class Follower:
             claim = now.last_id
             if entry_key(now.last_id) > entry_key(last_id):
                 last_id = now.last_id  # a later claim: its events start there
-            recheck_at = self.flights.clock() + now.lease_left_ms / 1000 + margin_s
+            recheck_at = recheck_in(now.lease_left_ms)

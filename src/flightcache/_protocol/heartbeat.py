@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -257,11 +258,16 @@ class ThreadRenewer(_Book):
         self._closing = False
         self._pulsed = self._clock()
         self._pulse: asyncio.TimerHandle | None = None
+        # When the thread looks at the leases next, if it sleeps (under the lock): a lease
+        # due before that wakes it; one due later waits for that look (a wake-up per
+        # registration would take the GIL from the loop thousands of times a second).
+        self._wake_at = math.inf
 
     def _register(self, lease: Lease) -> None:
         with self._lock:
             self._leases[id(lease)] = lease
-            self._lock.notify()
+            if lease.next_due < self._wake_at:
+                self._lock.notify()
             if self._thread is None:
                 self._closing = False
                 self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
@@ -307,10 +313,13 @@ class ThreadRenewer(_Book):
                     now = self._clock()
                     due = min((lease.next_due for lease in self._leases.values()), default=None)
                     if due is None:
+                        self._wake_at = math.inf
                         self._lock.wait()  # no flight owned: until one is
                     elif due > now:
+                        self._wake_at = due
                         self._lock.wait(due - now)  # heartbeat interval
                     else:
+                        self._wake_at = -math.inf  # busy: it looks again before it sleeps
                         break
                 batch = self._due(max(now, due))
             batch = self._hold_if_stalled(batch)
