@@ -286,9 +286,13 @@ async def test_an_idle_node_costs_the_server_at_most_one_command_a_second(
 
 
 def _conn_of(fc: FlightCache) -> Any:
+    return _conn_of_flights(fc).conn
+
+
+def _conn_of_flights(fc: FlightCache) -> Any:
     parts = fc._parts
     assert parts is not None
-    return parts.redis_flights[0].conn
+    return parts.redis_flights[0]
 
 
 @pytest.mark.timeout(120)
@@ -422,3 +426,57 @@ async def test_calls_made_together_share_a_write_and_a_lone_call_goes_at_once(
         assert 1 <= convoy.batches - batches <= 2
     finally:
         await fc.aclose()
+
+
+async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_instant(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """One owner renews all its leases in one batch, so the leases of its 200 flights end
+    together. Their follower's first re-checks come after the lease's end (never before:
+    nothing is asked while the owner is known alive) and are spread over the re-check's
+    window (a tenth of the lease here) instead of all in one instant."""
+    owner = FlightCache(private_server.url, namespace=namespace, lease=1.0, near_cache=False)
+    follower = FlightCache(private_server.url, namespace=namespace, lease=1.0, near_cache=False)
+    release, all_run, peeked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    runs = 0
+
+    async def load() -> str:
+        nonlocal runs
+        runs += 1
+        if runs == 200:
+            all_run.set()
+        await release.wait()
+        return "v"
+
+    async def never() -> str:
+        raise AssertionError("the owner is alive")
+
+    try:
+        await owner.get("warm-up")
+        await follower.get("warm-up")
+        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(200)]
+        await asyncio.wait_for(all_run.wait(), 10)
+        flights = _conn_of_flights(follower)
+        peeks: list[float] = []
+        real_peek = flights.follower._peek
+
+        async def peek(fk: Any, claim: bytes) -> int:
+            peeks.append(time.monotonic())
+            if len(peeks) == 200:
+                peeked.set()
+            return int(await real_peek(fk, claim))
+
+        flights.follower._peek = peek
+        joined = time.monotonic()
+        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(200)]
+        await asyncio.wait_for(peeked.wait(), 5)
+        first = sorted(peeks[:200])
+        release.set()
+        assert await asyncio.gather(*owned) == ["v"] * 200
+        assert await asyncio.gather(*followed) == ["v"] * 200
+    finally:
+        await owner.aclose()
+        await follower.aclose()
+    assert len(first) == 200
+    assert first[0] - joined >= 0.3  # none before the lease it was told of ran out
+    assert first[-1] - first[0] >= 0.04, first[-1] - first[0]  # spread over ~0.1 s
