@@ -19,10 +19,25 @@ from redis import exceptions as rexc
 
 from .scripts import Script, pack_command
 
-Call = tuple[Script, Sequence[str], Sequence[Any]]  # script, keys, args
+Call = tuple[Script, Sequence[Any], Sequence[Any]]  # script, keys (str; or a Bulk), args
 Load = Callable[[Script], Awaitable[Any]]
 
 STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
+
+
+class Bulk(list[bytes]):
+    """Arguments already in RESP, one bulk string each: what goes out again and again (a
+    lease's keys and arguments, renewed every lease/3 while its loader runs) is packed once.
+    A call's keys and args are both ``Bulk`` or neither."""
+
+
+def bulk(*values: str | bytes | int) -> list[bytes]:
+    """``values`` as RESP bulk strings, for a :class:`Bulk`."""
+    out = []
+    for value in values:
+        data = value if type(value) is bytes else str(value).encode()
+        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return out
 
 
 def pack_calls(calls: Sequence[Call]) -> bytes:
@@ -37,6 +52,10 @@ def pack_calls(calls: Sequence[Call]) -> bytes:
             head = heads[lua.sha] = pack_command(b"EVALSHA", lua.sha)[4:]
         count = b"%d" % len(keys)
         out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
+        if type(keys) is Bulk:
+            out += keys
+            out += args
+            continue
         for arg in (*keys, *args):
             kind = type(arg)
             if kind is str or kind is bytes or kind is int:  # not bool: True == 1 as a key

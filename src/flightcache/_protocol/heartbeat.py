@@ -51,6 +51,7 @@ class Lease:
         "lost",
         "next_due",
         "on_give_up",
+        "packed",
         "proven_until",
         "reason",
         "renewals",
@@ -72,6 +73,7 @@ class Lease:
         self.reason = ""
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
+        self.packed: Any = None  # the batch function's, made once (its keys and args in RESP)
 
     def give_up(self, reason: str) -> None:
         """On the loader's loop: the lease is lost, its loader is cancelled."""

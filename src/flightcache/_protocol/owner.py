@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from redis.crc import key_slot
 
+from .._backends.convoy import Bulk, bulk
 from .._backends.lane import SyncLane
 from .._backends.redis import RedisConnection
 from .._codec import NOT_FOUND_TAG, Envelope
@@ -141,7 +142,7 @@ class Owner:
 
     def _renew_calls(
         self, leases: Sequence[Lease], cluster: bool
-    ) -> tuple[list[list[Lease]], list[tuple[list[str], list[Any]]]]:
+    ) -> tuple[list[list[Lease]], list[tuple[list[Any], list[Any]]]]:
         """The ``renew_leases`` calls for ``leases``: on one server, scripts of up to
         ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
         slots), which a cluster pipeline sends one round trip per node."""
@@ -153,15 +154,30 @@ class Owner:
         else:
             size = self.tuning.renew_batch
             batches = [list(leases[i : i + size]) for i in range(0, len(leases), size)]
-        calls = []
+        calls: list[tuple[list[Any], list[Any]]] = []
         for batch in batches:
-            keys: list[str] = []
+            keys: list[Any] = []
             args: list[Any] = []
+            if cluster:  # (redis-py's cluster pipeline packs them)
+                for lease in batch:
+                    fk, token, lease_ms, stream_ttl, claim = lease.args
+                    keys += (fk.meta, fk.stream, fk.waiters)
+                    args += (token, lease_ms, stream_ttl, claim)
+                calls.append((keys, args))
+                continue
+            # Packed once per lease, not once per renewal: ten thousand leases are ten
+            # thousand renewals a lease/3, and the thread building them holds the GIL.
             for lease in batch:
-                fk, token, lease_ms, stream_ttl, claim = lease.args
-                keys += (fk.meta, fk.stream, fk.waiters)
-                args += (token, lease_ms, stream_ttl, claim)
-            calls.append((keys, args))
+                packed = lease.packed
+                if packed is None:
+                    fk, token, lease_ms, stream_ttl, claim = lease.args
+                    packed = lease.packed = (
+                        bulk(fk.meta, fk.stream, fk.waiters),
+                        bulk(token, lease_ms, stream_ttl, claim),
+                    )
+                keys += packed[0]
+                args += packed[1]
+            calls.append((Bulk(keys), Bulk(args)))
         return batches, calls
 
     @staticmethod
