@@ -106,13 +106,16 @@ class _Book:
         digest: str,
         granted_at: float | None = None,
         args: Any = None,
+        tied: bool = True,
     ) -> Lease:
         """Renew a lease of ``lease_s`` (granted at ``granted_at``) while ``work`` runs, and
-        cancel ``work`` when it is lost; ``args``: what the batch function needs."""
+        cancel ``work`` when it is lost; ``args``: what the batch function needs. With
+        ``tied``, the lease is removed when ``work`` ends; without, the caller removes it."""
         lease = Lease(
             work, lease_s, digest, self._clock() if granted_at is None else granted_at, args
         )
-        work.add_done_callback(lambda _f: self.remove(lease))
+        if tied:
+            work.add_done_callback(lambda _f: self.remove(lease))
         self._register(lease)
         return lease
 

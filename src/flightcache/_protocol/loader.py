@@ -36,16 +36,30 @@ async def wait_bounded(
 
     A loader that ignores cancellation is given ``CANCEL_GRACE_S`` and then abandoned, so a
     hung loader can never hold its callers (or its heartbeat) past the bound. ``on_cancel``
-    is told before the task is cancelled (the loader's ``FlightContext``).
+    is told before the task is cancelled here, and when the task ends cancelled by anyone
+    (the loader's ``FlightContext``: idempotent).
     """
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def ended(t: asyncio.Future[bytes]) -> None:  # one callback for all the task's end does
+        if on_cancel is not None and t.cancelled():
+            on_cancel()
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(ended)
+    timer = loop.call_later(timeout_s, _release, waiter)
     try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        await waiter
     except asyncio.CancelledError:
         if on_cancel is not None:
             on_cancel()
         task.cancel()  # the flight itself is being cancelled (the cache is closing)
         raise
-    if not done:
+    finally:
+        timer.cancel()
+    if not task.done():
         if on_cancel is not None:
             on_cancel()
         task.cancel()
@@ -57,6 +71,11 @@ async def wait_bounded(
     if task.cancelled():  # not by our caller: by the heartbeat, or the loader raised it itself
         raise WorkCancelled(digest)
     return task.result()
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class WorkCancelled(Exception):

@@ -257,9 +257,9 @@ class Owner:
             digest=fk.digest,
             granted_at=granted_at,
             args=(fk, token, opts.lease_ms, stream_ttl, claim),
+            tied=False,  # every way out of the wait below removes it
         )
         context.track(heartbeat)
-        work.add_done_callback(lambda w: context.cancel() if w.cancelled() else None)
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
         except WorkCancelled:
@@ -297,6 +297,9 @@ class Owner:
             self.stats.loader_errors += 1
             ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
             await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
+            raise
+        except BaseException:
+            self.renewer.remove(heartbeat)
             raise
         self.renewer.remove(heartbeat)
         if heartbeat.lost:  # the loader finished as the lease was found lost
