@@ -21,7 +21,7 @@ from ._config import check_call, safe_url, seconds
 from ._decorator import AsyncFlight, flight_decorator
 from ._engine import Engine
 from ._errors import ConfigError
-from ._keys import canonical, check_tags, digest_of
+from ._keys import FlightKeys, canonical, check_tags, digest_of
 from ._leases.nodes import NodeInfo, invalidate_many
 from ._protections.bloom import BloomFilter, admitted
 from ._protocol.base import Flights
@@ -42,6 +42,7 @@ from ._types import (
     MISSING,
     NOT_FOUND,
     CacheState,
+    CallOptions,
     FlightInfo,
     Invalidation,
     Loader,
@@ -145,22 +146,10 @@ class FlightCache(Engine):
 
             opts = self._options(canonical(key), ttl, lease, timeout, refresh, store)
             record = call.record if call is not None else None
-
-            def start(handle: Any) -> Coroutine[Any, Any, bytes]:
-                job = ObservedLoaderJob(
-                    loader,
-                    self.envelope,
-                    fk.digest,
-                    not_found,
-                    key=key,
-                    with_context=wants_context(loader),
-                )
-                job.record = record or CallRecord()
-                if names:
-                    job.tag(names, self._gate())
-                work = functools.partial(self._local.fly, front, fk, job, opts, handle)
-                return flown(self._stats, self._tel, job.record, work)
-
+            # (a partial, not a closure: a call that waits keeps one object, not nine cells)
+            start = functools.partial(
+                self._flight, front, fk, opts, loader, not_found, key, record, names
+            )
             data, hit = await self._local.call(
                 front, fk, opts, track=bool(refresh_ahead), start=start, record=record
             )
@@ -180,6 +169,28 @@ class FlightCache(Engine):
         finally:
             if call is not None:
                 call.end()
+
+    def _flight(
+        self,
+        front: Flights,
+        fk: FlightKeys,
+        opts: CallOptions,
+        loader: Loader,
+        not_found: tuple[type[BaseException], ...],
+        key: Any,
+        record: CallRecord | None,
+        names: tuple[str, ...],
+        handle: Any,
+    ) -> Coroutine[Any, Any, bytes]:
+        """The flight of a ``do`` call that found nothing stored, to run in a task."""
+        job = ObservedLoaderJob(
+            loader, self.envelope, fk.digest, not_found, key=key, with_context=wants_context(loader)
+        )
+        job.record = record or CallRecord()
+        if names:
+            job.tag(names, self._gate())
+        work = functools.partial(self._local.fly, front, fk, job, opts, handle)
+        return flown(self._stats, self._tel, job.record, work)
 
     async def do_many(
         self,

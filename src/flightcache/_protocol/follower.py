@@ -45,6 +45,13 @@ class Follower:
         self.flights = flights
         self._peeks = Together(flights.conn, LUA["peek_flight"])
 
+    def _recheck_at(self, lease_left_ms: int, opts: CallOptions) -> float:
+        """When a waiter told of ``lease_left_ms`` re-checks the owner if it hears nothing:
+        once that lease ran out, plus the margin, plus its draw of the spread."""
+        spread_s = min(opts.lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
+        margin_s = self.flights.tuning.block_margin_ms / 1000
+        return self.flights.clock() + lease_left_ms / 1000 + margin_s + random.random() * spread_s
+
     async def _peek(self, fk: FlightKeys, claim: bytes) -> int:
         """The lease left (ms) while the claim whose ``claimed`` entry is ``claim`` still
         holds the flight, else -1."""
@@ -109,15 +116,7 @@ class Follower:
         this flight: only writes under the then-current token reach the stream (the scripts
         are fenced), so no token needs checking here. No connection is held while waiting.
         """
-        margin_s = self.flights.tuning.block_margin_ms / 1000
-        spread_s = min(opts.lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
-
-        def recheck_in(lease_left_ms: int) -> float:  # when the next re-check is due
-            return (
-                self.flights.clock() + lease_left_ms / 1000 + margin_s + random.random() * spread_s
-            )
-
-        recheck_at = recheck_in(state.lease_left_ms)
+        recheck_at = self._recheck_at(state.lease_left_ms, opts)
         last_id = state.last_id  # every event that can end this flight comes after it
         claim = state.last_id  # the `claimed` entry of the claim followed
         if not job.inline_ok:
@@ -163,7 +162,7 @@ class Follower:
                         )
                         return replace(now, since=entry_id)
                 if news:  # the owner is alive: a whole lease before the next re-check
-                    recheck_at = recheck_in(opts.lease_ms)
+                    recheck_at = self._recheck_at(opts.lease_ms, opts)
                 continue
             if self.flights.clock() >= deadline:
                 continue  # the wait bound, not the lease, ran out
@@ -172,7 +171,7 @@ class Follower:
             # would have deleted meta, a takeover would have changed its claim.
             left_ms = await self._peek(fk, claim)
             if left_ms > 0:
-                recheck_at = recheck_in(left_ms)
+                recheck_at = self._recheck_at(left_ms, opts)
                 continue
             now = await self.flights._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
             if now.kind != FOLLOW:
@@ -181,4 +180,4 @@ class Follower:
             claim = now.last_id
             if entry_key(now.last_id) > entry_key(last_id):
                 last_id = now.last_id  # a later claim: its events start there
-            recheck_at = recheck_in(now.lease_left_ms)
+            recheck_at = self._recheck_at(now.lease_left_ms, opts)
