@@ -686,6 +686,14 @@ def print_scale(k: dict[str, Any]) -> None:
         f"     ratio to the one-key baseline: p50 {t['wake_lag_ratio']['p50']:.1f}x, p99 "
         f"{t['wake_lag_ratio']['p99']:.1f}x"
     )
+    for role, process in (("owner", o), ("follower", f)):
+        g = process["gc"]
+        late = [t for t, _ms in g["over_20ms"] if (o["loader_first_end"] or 0) <= t]
+        print(
+            f"     {role}'s cyclic GC: {g['collections']} collections ({g['gen2']} full), "
+            f"{g['total_ms']:.0f} ms in all, longest {g['max_ms']:.0f} ms; over 20 ms once the "
+            f"first loader ended: {len(late)}"
+        )
     ph = m["follow_phase"]
     print(
         f"     CPU from the follower's start to the last call's end ({ph['seconds']:.1f} s): "

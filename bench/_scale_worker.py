@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import re
@@ -64,6 +65,35 @@ class LogCounts(logging.Handler):
 
 
 LOGGED = LogCounts()
+
+
+class GcPauses:
+    """The cyclic GC's collections in this process: (generation, ms, ended at monotonic)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, float]] = []
+        self._started = 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        else:
+            self.pauses.append((info["generation"], (now - self._started) * 1000, time.monotonic()))
+
+    def since(self, t0: float) -> dict[str, Any]:
+        mine = [p for p in self.pauses if p[2] >= t0]
+        return {
+            "collections": len(mine),
+            "gen2": sum(p[0] == 2 for p in mine),
+            "total_ms": sum(p[1] for p in mine),
+            "max_ms": max((p[1] for p in mine), default=0.0),
+            "over_20ms": sorted((round(p[2], 3), round(p[1], 1)) for p in mine if p[1] > 20),
+        }
+
+
+GC = GcPauses()
 SPREAD_STEP = 7919  # a prime: key i's place in the spread is i * SPREAD_STEP mod keys
 
 
@@ -188,6 +218,7 @@ class Batch:
             "seconds": time.monotonic() - self.started,
             "stats": {k: v - self.stats_before.get(k, 0) for k, v in after.items()},
             "warnings": LOGGED.top(),
+            "gc": GC.since(self.started),
         }
 
 
