@@ -402,6 +402,45 @@ async def test_a_caller_cancelled_during_its_lookup_does_not_start_a_loader_for_
     assert runs == []
 
 
+async def test_a_first_caller_cancelled_during_its_lookup_starts_a_loader_only_for_callers_left(
+    make_cache: Any,
+) -> None:
+    """A second caller of the key joins the first caller's lookup, then leaves (cancelled);
+    when the first caller is cancelled too, nobody waits: no loader runs (with one shared
+    future, the caller who left still counted as waiting, and a loader ran for nobody). With
+    the second caller still there, the first one's cancel starts the flight for it."""
+    fc = make_cache()
+    await fc.get("warm-up")
+    runs: list[int] = []
+
+    async def loader() -> str:
+        runs.append(1)
+        return "v"
+
+    first = asyncio.ensure_future(fc.do("k", loader))
+    await asyncio.sleep(0)  # the first caller waits for its join
+    second = asyncio.ensure_future(fc.do("k", loader))
+    await asyncio.sleep(0)  # the second waits for the first's outcome
+    assert fc.stats["coalesced"] == 1
+    second.cancel()
+    first.cancel()
+    for call in (first, second):
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    await asyncio.sleep(0.3)
+    assert runs == []
+
+    first = asyncio.ensure_future(fc.do("k2", loader))
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(fc.do("k2", loader))
+    await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await asyncio.wait_for(second, 10) == "v"
+    assert runs == [1]
+
+
 # -- error reporting (cosmetic) --------------------------------------------------------------
 
 
