@@ -43,7 +43,7 @@ class FlightContext:
     if_token=token)`` does exactly that for flightcache's own result).
     """
 
-    __slots__ = ("_clock", "_lease", "attempt", "cancel_event", "digest", "key", "token")
+    __slots__ = ("_cancelled", "_clock", "_event", "_lease", "attempt", "digest", "key", "token")
 
     def __init__(
         self,
@@ -58,7 +58,8 @@ class FlightContext:
         self.digest = digest
         self.token = token
         self.attempt = attempt
-        self.cancel_event = asyncio.Event()
+        self._cancelled = False
+        self._event: asyncio.Event | None = None  # made when a loader asks for it
         self._lease: Proven | None = None  # None: no lease (memory://)
         self._clock = clock
 
@@ -75,12 +76,23 @@ class FlightContext:
         return max(0.0, self._lease.proven_until - self._clock())
 
     @property
+    def cancel_event(self) -> asyncio.Event:
+        """Set when the run is called off (``await ctx.cancel_event.wait()``)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self._cancelled:
+                self._event.set()
+        return self._event
+
+    @property
     def cancelled(self) -> bool:
-        return self.cancel_event.is_set()
+        return self._cancelled
 
     def cancel(self) -> None:
         """Internal: the run is called off (idempotent)."""
-        self.cancel_event.set()
+        self._cancelled = True
+        if self._event is not None:
+            self._event.set()
 
     def __repr__(self) -> str:
         left = self.lease_left
