@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -376,21 +376,27 @@ async def test_a_call_in_progress_when_aclose_runs_never_starts_a_loader_after_c
     assert not late, f"loaders started after aclose() returned (loop turns {late})"
 
 
-async def test_a_caller_cancelled_during_its_lookup_does_not_start_a_loader_for_nobody(
-    make_cache: Any,
-) -> None:
-    """do()'s `except CancelledError` around the hit-path GET always starts a flight task
-    ("others may be waiting"), even when nobody else holds the slot (`slot._future` is None):
-    a caller that gives up before anything ran (asyncio.wait_for around do(), a client that
-    disconnected) triggers a loader run nobody asked for, e.g. a paid LLM call."""
-    fc = make_cache()
-    await fc.get("warm-up")
+def _counted() -> tuple[list[int], Callable[[], Awaitable[str]]]:
+    """A loader returning "v", and the list it appends to at each run."""
     runs: list[int] = []
 
     async def loader() -> str:
         runs.append(1)
         return "v"
 
+    return runs, loader
+
+
+async def test_a_caller_cancelled_during_its_lookup_does_not_start_a_loader_for_nobody(
+    make_cache: Any,
+) -> None:
+    """do()'s `except CancelledError` around the hit-path GET always starts a flight task
+    ("others may be waiting"), even when nobody else waits on the slot: a caller that gives
+    up before anything ran (asyncio.wait_for around do(), a client that disconnected)
+    triggers a loader run nobody asked for, e.g. a paid LLM call."""
+    fc = make_cache()
+    await fc.get("warm-up")
+    runs, loader = _counted()
     call = asyncio.ensure_future(fc.do("k", loader))
     await asyncio.sleep(0)  # the caller is now waiting for its GET
     fk = fc.keyspace.flight("k")
@@ -411,12 +417,7 @@ async def test_a_first_caller_cancelled_during_its_lookup_starts_a_loader_only_f
     the second caller still there, the first one's cancel starts the flight for it."""
     fc = make_cache()
     await fc.get("warm-up")
-    runs: list[int] = []
-
-    async def loader() -> str:
-        runs.append(1)
-        return "v"
-
+    runs, loader = _counted()
     first = asyncio.ensure_future(fc.do("k", loader))
     await asyncio.sleep(0)  # the first caller waits for its join
     second = asyncio.ensure_future(fc.do("k", loader))
