@@ -131,12 +131,24 @@ async def test_a_cancelled_caller_does_not_cancel_the_flight(
 async def test_the_only_caller_cancelled_still_leaves_the_value_cached(
     backend_url: str, make_cache: Any
 ) -> None:
+    """Cancelled once its loader runs (not by a fixed sleep: on a loaded machine the join
+    may take longer, and a caller cancelled before it claimed leaves no flight at all)."""
     fc = make_cache(backend_url)
-    loader, runs = counting_loader("v", delay=0.2)
+    started = asyncio.Event()
+    runs: list[int] = []
+
+    async def loader() -> str:
+        runs.append(1)
+        started.set()
+        await asyncio.sleep(0.2)
+        return "v"
+
     task = asyncio.ensure_future(fc.do("q", loader))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(started.wait(), 10)
     task.cancel()
-    await asyncio.sleep(0.4)
+    flights = list(fc._tasks)  # the flight goes on in a task of its own
+    assert flights
+    await asyncio.wait_for(asyncio.gather(*flights, return_exceptions=True), 10)
     assert await fc.get("q") == "v"
     assert len(runs) == 1
 
