@@ -32,12 +32,9 @@ class Bulk(list[bytes]):
 
 
 def bulk(*values: str | bytes | int) -> list[bytes]:
-    """``values`` as RESP bulk strings, for a :class:`Bulk`."""
-    out = []
-    for value in values:
-        data = value if type(value) is bytes else str(value).encode()
-        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return out
+    """``values`` as RESP bulk strings, for a :class:`Bulk` (each as ``pack_command``
+    writes it, without the one-element array header)."""
+    return [pack_command(value)[4:] for value in values]
 
 
 def pack_calls(calls: Sequence[Call]) -> bytes:

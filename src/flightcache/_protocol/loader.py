@@ -45,8 +45,7 @@ async def wait_bounded(
     def ended(t: asyncio.Future[bytes]) -> None:  # one callback for all the task's end does
         if on_cancel is not None and t.cancelled():
             on_cancel()
-        if not waiter.done():
-            waiter.set_result(None)
+        _release(waiter)
 
     task.add_done_callback(ended)
     timer = loop.call_later(timeout_s, _release, waiter)
