@@ -18,10 +18,17 @@ Stampede: ``processes`` worker processes (``python -m bench._sync URL``, each on
 ``time.monotonic()`` instant; the loader blocks (``time.sleep``) in a worker thread and
 returns its pid and end time. The worker answers as ``bench._worker`` does, so the rounds
 are read by ``_stampede.caller_figures``.
+
+Floor, in the same run and the same workers, alternating with the stampede's rounds: each
+worker's ``callers`` threads wait on one ``threading.Event``, set by a thread of the worker
+blocked in a raw redis-py ``XREAD BLOCK``; this process ``XADD``s once all are blocked. Its
+wake lag (a thread's wake minus the instant before the ``XADD``) is what Python threads
+cost here to be woken by one Redis notification, with no library between.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -33,11 +40,13 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from flightcache import FlightCacheSync
 
 from . import _orders, _stampede
 from ._rounds import MODES, PAYLOAD, VALUE, Samples, figures
+from ._util import summary
 
 VARIANTS = ("raw", "get", "do", "do-near")
 LABELS = {
@@ -184,19 +193,54 @@ def round_trips(fcs: FlightCacheSync, loader: Loader, keys: int = 20) -> dict[st
     return {"miss": (middle - before) / keys, "hit": (after - middle) / keys}
 
 
+async def _floor_round(
+    ctl: aioredis.Redis, workers: list[_orders.Worker], *, key: str, callers: int
+) -> list[float]:
+    """One floor round: the wake lags (ms) of every worker's threads."""
+    blocked_before = int((await ctl.info("clients"))["blocked_clients"])
+    order = {"op": "floor", "key": key, "callers": callers, "timeout": _stampede.ROUND_TIMEOUT_S}
+    await asyncio.gather(*(w.send(order) for w in workers))
+    deadline = time.monotonic() + _stampede.ROUND_TIMEOUT_S
+    while int((await ctl.info("clients"))["blocked_clients"]) < blocked_before + len(workers):
+        if time.monotonic() > deadline:  # a setup wait, not a waiter: bounded, then fails
+            raise TimeoutError("the floor's readers did not all block")
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # every thread in its wait
+    sent = time.monotonic()
+    await ctl.xadd(key, {"v": "1"})
+    replies = await asyncio.gather(*(w.receive(_stampede.ROUND_TIMEOUT_S + 5) for w in workers))
+    await ctl.delete(key)
+    return [(t - sent) * 1000 for r in replies for t in r["woken"]]
+
+
 async def run_stampede(
     url: str, *, processes: int = 4, callers: int = 50, rounds: int = 5, loader_s: float = 0.2
 ) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     results = []
-    async with _orders.started(processes, url, module="bench._sync") as workers:
-        for number in range(1, rounds + 1):
-            start_at, replies = await _stampede.stampede_round(
-                workers, key=f"sync-stampede:{run_id}:{number}", callers=callers, loader_s=loader_s
-            )
-            results.append(_stampede.caller_figures(replies, start_at))
+    floor: list[float] = []
+    floor_p99: list[float] = []
+    ctl = aioredis.Redis.from_url(url)
+    try:
+        async with _orders.started(processes, url, module="bench._sync") as workers:
+            for number in range(1, rounds + 1):
+                start_at, replies = await _stampede.stampede_round(
+                    workers,
+                    key=f"sync-stampede:{run_id}:{number}",
+                    callers=callers,
+                    loader_s=loader_s,
+                )
+                results.append(_stampede.caller_figures(replies, start_at))
+                key = f"sync-floor:{run_id}:{number}"
+                lags = await _floor_round(ctl, workers, key=key, callers=callers)
+                floor += lags
+                floor_p99.append(summary(lags)["p99"])
+    finally:
+        await ctl.aclose()
     pooled = _stampede.pooled(results, processes=processes, callers=callers, loader_s=loader_s)
     pooled["arrival_spread_ms"] = [r["arrival_spread_ms"] for r in results]
+    pooled["floor_wake_lag_ms"] = summary(floor)
+    pooled["floor_p99_ms_per_round"] = floor_p99
     return pooled
 
 
@@ -260,8 +304,32 @@ def stampede(fcs: FlightCacheSync, msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def floor(fcs: FlightCacheSync, msg: dict[str, Any]) -> dict[str, Any]:
+    """``callers`` threads wait on one ``threading.Event``, set once a raw redis-py
+    ``XREAD BLOCK`` on ``key`` returns; each thread's ``time.monotonic()`` on waking."""
+    woken: list[float] = []
+    ready = threading.Event()
+
+    def waiter() -> None:
+        ready.wait()
+        woken.append(time.monotonic())
+
+    threads = [threading.Thread(target=waiter) for _ in range(int(msg["callers"]))]
+    for t in threads:
+        t.start()
+    raw = redis.Redis.from_url(fcs.url)
+    try:
+        raw.xread({str(msg["key"]): "0"}, block=int(float(msg["timeout"]) * 1000))
+    finally:
+        ready.set()  # never leave a thread waiting
+        raw.close()
+    for t in threads:
+        t.join(float(msg["timeout"]))
+    return {"pid": os.getpid(), "woken": woken}
+
+
 def worker_main(url: str) -> int:
-    handlers = {"warm": warm, "stampede": stampede}
+    handlers = {"warm": warm, "stampede": stampede, "floor": floor}
     # node_ttl=60: the liveness heartbeat stays out of the rounds (as bench._worker).
     fcs = FlightCacheSync(url, namespace=NAMESPACE, lease=3.0, node_ttl=60.0)
     try:
