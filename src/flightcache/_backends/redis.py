@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -15,7 +14,6 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
 from .._config import safe_url
@@ -25,9 +23,9 @@ from .._types import Stats
 from .convoy import STALE_S, Convoy, send_calls
 from .lane import SyncLane
 from .listener import Listener, keepalive
-from .pools import BoundedPool, SentinelPool
+from .pools import BoundedPool
 from .scripts import Script, pack_command
-from .sentinel import SENTINEL_SCHEMES, SentinelURL, parse_sentinel_url
+from .sentinel import SENTINEL_SCHEMES, SentinelMaster, SentinelURL, parse_sentinel_url
 
 T = TypeVar("T")
 
@@ -69,10 +67,7 @@ class RedisConnection:
         self._made = (connect_timeout, client_name)
         self.cluster: Any = None
         self.sentinel: SentinelURL | None = None
-        self._sentinels: Sentinel | None = None
-        self._master: tuple[str, int] | None = None  # the master the sentinels named last
-        self._ask_sentinels = asyncio.Event()  # the listener wants a fresh master address
-        self._tracker: asyncio.Task[None] | None = None
+        self._master: SentinelMaster | None = None  # under Sentinel
         self._gate: asyncio.Semaphore | None = None  # a Cluster's bounded wait for a turn
         self._lane_gate: asyncio.Semaphore | None = None  # and its reserved lane's
         self._convoy: Convoy | None = None
@@ -105,7 +100,9 @@ class RedisConnection:
         pool: BoundedPool
         blocking_pool: BoundedPool
         if url.startswith(SENTINEL_SCHEMES):
-            pool, blocking_pool = self._sentinel_pools(url, common, socket_timeout, connect_timeout)
+            self.sentinel = parse_sentinel_url(url)
+            self._master = SentinelMaster(self.sentinel, self.safe_url, connect_timeout)
+            pool, blocking_pool = self._master.pools(common, socket_timeout, LANE)
         else:
             try:
                 # Short commands: bounded by the pool's sweeper, not a timer per command.
@@ -122,43 +119,6 @@ class RedisConnection:
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking_pool)
         self.scripts: dict[str, Any] = {}
         self._convoy = Convoy(pool, self._load, self._evalsha)
-
-    def _sentinel_pools(
-        self, url: str, common: dict[str, Any], socket_timeout: float, connect_timeout: float
-    ) -> tuple[SentinelPool, SentinelPool]:
-        """Redis Sentinel: the two pools of the plain case, their connections made to the
-        master the sentinels name (one ``Sentinel`` client, asked by both)."""
-        self.sentinel = parsed = parse_sentinel_url(url)
-        self._sentinels = sentinels = Sentinel(  # type: ignore[no-untyped-call]
-            parsed.sentinels,
-            sentinel_kwargs=dict(
-                # A sentinel answers at once or is skipped for the next one; no retries
-                # (redis-py's default retries a refused connection ten times).
-                socket_connect_timeout=connect_timeout,
-                socket_timeout=connect_timeout,
-                socket_keepalive=True,
-                retry=Retry(NoBackoff(), 0),
-                **parsed.sentinel,
-            ),
-        )
-        options = {**common, **parsed.server}  # the URL's options win, as in from_url
-        heard = self._heard_master
-        return (
-            SentinelPool(
-                parsed.service,
-                sentinels,
-                heard=heard,
-                op_timeout=socket_timeout,
-                lane=LANE,
-                **{"socket_timeout": None, **options},
-            ),
-            SentinelPool(
-                parsed.service,
-                sentinels,
-                heard=heard,
-                **{"socket_timeout": socket_timeout, **options},
-            ),
-        )
 
     def _init_cluster(
         self,
@@ -207,10 +167,10 @@ class RedisConnection:
     async def open(self) -> None:
         """Connect before the first command (a cluster client must learn its slots first:
         concurrent first commands on a fresh cluster client race in redis-py)."""
-        if self.sentinel is None:
+        if self._master is None:
             self.listener.start()
-        elif self._tracker is None:  # the listener starts once the sentinels named a master
-            self._tracker = asyncio.get_running_loop().create_task(self._track_master())
+        else:  # the listener starts once the sentinels named a master
+            self._master.track(self.listener)
         if self.cluster is not None:
             await self.run(self.cluster.initialize)
         if self._preload:
@@ -241,12 +201,8 @@ class RedisConnection:
     def listen_urls(self) -> list[str]:
         """Plain URLs of the servers a pub/sub listener may use (any node of a cluster
         hears every PUBLISH; under Sentinel, the master)."""
-        if self.sentinel is not None:
-            # Asked on every reconnect: ask the sentinels again, so that the next attempt
-            # goes where they say the master is now (a failover moved it, say).
-            self._ask_sentinels.set()
-            assert self._master is not None  # the listener starts once one was named
-            return [self.sentinel.server_url(*self._master)]
+        if self._master is not None:
+            return [self._master.listen_url()]  # asked on every reconnect
         if self.cluster is None:
             return [self.url]
         parts = urlsplit("redis://" + self.url[len(CLUSTER_SCHEME) :])
@@ -257,41 +213,6 @@ class RedisConnection:
             urls.append(urlunsplit(("redis", netloc, "/0", parts.query, "")))
         # Before the cluster client knew its nodes: the node the URL names.
         return urls or [urlunsplit(("redis", parts.netloc, "/0", parts.query, ""))]
-
-    def _heard_master(self, named: tuple[str, int]) -> None:
-        """The sentinels named ``named`` as the master (for a new connection, or asked)."""
-        address = (str(named[0]), int(named[1]))
-        if self._master is not None and self._master != address:
-            log.warning(
-                "Redis Sentinel %s: the master moved from %s:%s to %s:%s",
-                self.safe_url,
-                *self._master,
-                *address,
-            )
-        self._master = address
-
-    async def _track_master(self) -> None:
-        """Sentinel: ask the sentinels for the master whenever the listener wants it (on
-        each of its reconnects), retrying until they name one; the listener starts with the
-        first master named. (Short commands ask on their own: each new pooled connection.)"""
-        assert self._sentinels is not None and self.sentinel is not None
-        backoff = 0.1
-        self._ask_sentinels.set()
-        while True:
-            await self._ask_sentinels.wait()
-            try:
-                address = await self._sentinels.discover_master(self.sentinel.service)
-            except (rexc.RedisError, OSError) as exc:
-                (log.info if isinstance(exc, rexc.ConnectionError) else log.warning)(
-                    "Redis Sentinel %s names no master now: %s", self.safe_url, str(exc)[:200]
-                )
-                await asyncio.sleep(backoff)  # sentinel retry backoff
-                backoff = min(backoff * 2, 2.0)
-                continue
-            backoff = 0.1
-            self._ask_sentinels.clear()
-            self._heard_master(address)
-            self.listener.start()  # once; later rounds only refresh the address
 
     async def run(
         self, op: Callable[[], Awaitable[T]], fk: FlightKeys | None = None, *, lane: bool = False
@@ -496,11 +417,9 @@ class RedisConnection:
     async def aclose(self) -> None:
         if self._convoy is not None:
             await self._convoy.aclose()
-        tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            tracker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await tracker
+        master = self._master
+        if master is not None:
+            await master.stop_tracking()
         await self.listener.aclose()
         if self.cluster is not None:
             await self.cluster.aclose()
@@ -508,5 +427,5 @@ class RedisConnection:
         for client in (self.client, self.blocking):
             await client.aclose()
             await client.connection_pool.disconnect()  # a pool we made is ours to close
-        if self._sentinels is not None:
-            await self._sentinels.aclose()
+        if master is not None:
+            await master.aclose()

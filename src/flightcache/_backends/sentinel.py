@@ -11,18 +11,32 @@ password is not sent to them. ``rediss+sentinel://`` speaks TLS to the sentinels
 servers, with a ``rediss://`` URL's ``ssl_*`` options (``?ssl_ca_certs=...``) for both.
 The other options are a ``redis://`` URL's (``socket_connect_timeout``, ``protocol``, ...);
 an unknown one is a ConfigError when the cache is made, not an error at the first command.
+
+``SentinelMaster`` is the async connection's side: the two pools that connect to the master
+the sentinels name, and the task that asks them again whenever the listener reconnects.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+from redis import exceptions as rexc
 from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
 
 from .._config import safe_url
 from .._errors import ConfigError
+from .listener import Listener
+from .pools import SentinelPool
+
+log = logging.getLogger("flightcache.redis")
 
 __all__ = ["SENTINEL_SCHEMES", "SentinelURL", "parse_sentinel_url"]
 
@@ -158,3 +172,113 @@ def _host_port(item: str, bad: Any) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise bad(f"the port of sentinel {host!r} must be 1-65535, not {port_text!r}")
     return host, int(port_text)
+
+
+class SentinelMaster:
+    """The master the sentinels of one ``redis+sentinel://`` URL name, for one async
+    connection: its two pools connect to it (each new connection asks the sentinels), and
+    the listener is pointed at the master they named last, asked again on each of its
+    reconnects (a failover moved it, say)."""
+
+    def __init__(self, parsed: SentinelURL, shown_url: str, connect_timeout: float) -> None:
+        self.url = parsed
+        self.shown_url = shown_url
+        self.sentinels = Sentinel(  # type: ignore[no-untyped-call]
+            parsed.sentinels,
+            sentinel_kwargs=dict(
+                # A sentinel answers at once or is skipped for the next one; no retries
+                # (redis-py's default retries a refused connection ten times).
+                socket_connect_timeout=connect_timeout,
+                socket_timeout=connect_timeout,
+                socket_keepalive=True,
+                retry=Retry(NoBackoff(), 0),
+                **parsed.sentinel,
+            ),
+        )
+        self.address: tuple[str, int] | None = None  # the master the sentinels named last
+        self._ask = asyncio.Event()  # the listener wants a fresh master address
+        self._tracker: asyncio.Task[None] | None = None
+
+    def pools(
+        self, common: dict[str, Any], socket_timeout: float, lane: int
+    ) -> tuple[SentinelPool, SentinelPool]:
+        """The two pools of the plain case (short commands with ``lane`` reserved
+        connections, and blocking reads), their connections made to the master named."""
+        options = {**common, **self.url.server}  # the URL's options win, as in from_url
+        name = self.url.service
+        return (
+            SentinelPool(
+                name,
+                self.sentinels,
+                heard=self.heard,
+                op_timeout=socket_timeout,
+                lane=lane,
+                **{"socket_timeout": None, **options},
+            ),
+            SentinelPool(
+                name,
+                self.sentinels,
+                heard=self.heard,
+                **{"socket_timeout": socket_timeout, **options},
+            ),
+        )
+
+    def heard(self, named: tuple[str, int]) -> None:
+        """The sentinels named ``named`` as the master (for a new connection, or asked)."""
+        address = (str(named[0]), int(named[1]))
+        if self.address is not None and self.address != address:
+            log.warning(
+                "Redis Sentinel %s: the master moved from %s:%s to %s:%s",
+                self.shown_url,
+                *self.address,
+                *address,
+            )
+        self.address = address
+
+    def track(self, listener: Listener) -> None:
+        """Start asking for the master whenever the listener wants it; the listener starts
+        with the first master named."""
+        if self._tracker is None:
+            self._tracker = asyncio.get_running_loop().create_task(self._track(listener))
+
+    def listen_url(self) -> str:
+        """The plain URL of the master named last, for the listener's next connection; the
+        sentinels are asked again meanwhile, so that a later attempt goes where they say
+        the master is then."""
+        self._ask.set()
+        assert self.address is not None  # the listener starts once one was named
+        return self.url.server_url(*self.address)
+
+    async def _track(self, listener: Listener) -> None:
+        """Ask the sentinels whenever the listener wants it (on each of its reconnects),
+        retrying until they name one. (Short commands ask on their own: each new pooled
+        connection.)"""
+        backoff = 0.1
+        self._ask.set()
+        while True:
+            await self._ask.wait()
+            try:
+                address = await self.sentinels.discover_master(self.url.service)
+            except (rexc.RedisError, OSError) as exc:
+                (log.info if isinstance(exc, rexc.ConnectionError) else log.warning)(
+                    "Redis Sentinel %s names no master now: %s", self.shown_url, str(exc)[:200]
+                )
+                await asyncio.sleep(backoff)  # sentinel retry backoff
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            self._ask.clear()
+            self.heard(address)
+            listener.start()  # once; later rounds only refresh the address
+
+    async def stop_tracking(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tracker
+
+    async def aclose(self) -> None:
+        """The sentinels' connections closed (after the pools that asked them)."""
+        await self.stop_tracking()
+        await self.sentinels.aclose()
