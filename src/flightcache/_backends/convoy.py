@@ -125,10 +125,13 @@ class Convoy:
 
     A call made while none of this process's calls is on the wire goes at once, on a
     connection of its own (a lone call waits for nothing). A call made while others are out
-    waits here instead: at the end of the loop's turn, one task takes a connection and sends
-    every call waiting then (up to ``MAX_CALLS``) in one write, and goes on while calls keep
-    coming; at most ``MAX_WRITES`` such writes are out at once, so this process packs its
-    next batch while the server runs the last. Concurrent callers cost one write and one
+    waits here instead: at the end of the loop's turn, the calls waiting then go out in
+    writes of up to ``MAX_CALLS`` calls, each by a task on a connection of its own, all at
+    once while at most ``MAX_WRITES`` are out; each task goes on while calls keep coming.
+    The cap keeps callers from moving in lockstep: with one write for all, a hundred
+    callers were answered together, took their next step together and waited together
+    while the server ran their next calls, and the process sat idle for a quarter of the
+    time; in small writes the server runs the first while the process answers the last. Concurrent callers cost one write and one
     read for many calls instead of a connection checkout, a write and a read each (the
     packing is what redis-py spends most of a call on), and a burst of ten thousand joins
     becomes a few dozen round trips, so a renewal never queues behind ten thousand waiters
@@ -136,8 +139,8 @@ class Convoy:
     batch; one cancelled after has its reply ignored (the scripts are safe either way).
     """
 
-    MAX_CALLS = 200
-    MAX_WRITES = 2
+    MAX_CALLS = 32
+    MAX_WRITES = 4
 
     def __init__(
         self,
@@ -176,10 +179,13 @@ class Convoy:
 
     def _flush(self) -> None:
         self._flushing = False
-        if self._queue and len(self._drains) < self.MAX_WRITES:
-            task = asyncio.get_running_loop().create_task(self._drain())
+        batches = -(-len(self._queue) // self.MAX_CALLS)
+        loop = asyncio.get_running_loop()
+        while batches > 0 and len(self._drains) < self.MAX_WRITES:
+            task = loop.create_task(self._drain())
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
+            batches -= 1
 
     async def _drain(self) -> None:
         batch: list[tuple[Call, asyncio.Future[Any], float]] = []
