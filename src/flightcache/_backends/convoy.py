@@ -131,11 +131,11 @@ class Convoy:
     The cap keeps callers from moving in lockstep: with one write for all, a hundred
     callers were answered together, took their next step together and waited together
     while the server ran their next calls, and the process sat idle for a quarter of the
-    time; in small writes the server runs the first while the process answers the last. Concurrent callers cost one write and one
-    read for many calls instead of a connection checkout, a write and a read each (the
-    packing is what redis-py spends most of a call on), and a burst of ten thousand joins
-    becomes a few dozen round trips, so a renewal never queues behind ten thousand waiters
-    for a connection. A caller cancelled before its call went out is dropped from the
+    time; in small writes the server runs the first while the process answers the last.
+    Concurrent callers cost one write and one read for many calls instead of a connection
+    checkout, a write and a read each (the packing is what redis-py spends most of a call
+    on), and a burst of ten thousand joins becomes about three hundred round trips, so a
+    renewal never queues behind ten thousand waiters for a connection. A caller cancelled before its call went out is dropped from the
     batch; one cancelled after has its reply ignored (the scripts are safe either way).
     """
 
