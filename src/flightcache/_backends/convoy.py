@@ -135,8 +135,9 @@ class Convoy:
     Concurrent callers cost one write and one read for many calls instead of a connection
     checkout, a write and a read each (the packing is what redis-py spends most of a call
     on), and a burst of ten thousand joins becomes about three hundred round trips, so a
-    renewal never queues behind ten thousand waiters for a connection. A caller cancelled before its call went out is dropped from the
-    batch; one cancelled after has its reply ignored (the scripts are safe either way).
+    renewal never queues behind ten thousand waiters for a connection. A caller cancelled
+    before its call went out is dropped from the batch; one cancelled after has its reply
+    ignored (the scripts are safe either way).
     """
 
     MAX_CALLS = 32
