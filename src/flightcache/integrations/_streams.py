@@ -6,26 +6,32 @@ turns the flight's stored events into the SDK's own types as they come, and tell
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from .._protocol.streaming import FlightStream
+from .._sync import FlightStreamSync
 
 if TYPE_CHECKING:
-    from .._protocol.streaming import FlightStream
-    from .._sync import FlightStreamSync
     from ._core import Coalescer, Endpoint, _Call
 
+F = TypeVar("F")  # the flight: FlightStream (async door) or FlightStreamSync
 
-class _StreamBase:
-    """What both stream doors share: the events seen, conversion, the outcome at the end."""
+
+class _StreamBase(Generic[F]):
+    """What both stream doors share: the flight, the events seen, conversion, the outcome
+    at the end."""
 
     def __init__(
         self,
         coalescer: Coalescer,
         endpoint: Endpoint,
         call: _Call,
+        flight: F,
         source: str,
         age: float | None,
         first: list[Any],
     ) -> None:
+        self._flight = flight
         self._coalescer = coalescer
         self._endpoint = endpoint
         self._call = call
@@ -42,23 +48,10 @@ class _StreamBase:
             self._coalescer.finish(self._endpoint, self._call, self.source, self.age, self._seen)
 
 
-class AsyncCoalescedStream(_StreamBase):
+class AsyncCoalescedStream(_StreamBase[FlightStream]):
     """A coalesced stream, used like the SDK's ``AsyncStream``: ``async for event in it``,
     ``async with``, ``await close()``; the events are the SDK's own types. ``source`` is
     ``HIT``, ``MISS`` or ``COALESCED``. Leaving early stops this caller only."""
-
-    def __init__(
-        self,
-        coalescer: Coalescer,
-        endpoint: Endpoint,
-        call: _Call,
-        flight: FlightStream,
-        source: str,
-        age: float | None,
-        first: list[Any],
-    ) -> None:
-        super().__init__(coalescer, endpoint, call, source, age, first)
-        self._flight = flight
 
     def __aiter__(self) -> AsyncCoalescedStream:
         return self
@@ -90,23 +83,10 @@ class AsyncCoalescedStream(_StreamBase):
         await self.close()
 
 
-class CoalescedStream(_StreamBase):
+class CoalescedStream(_StreamBase[FlightStreamSync]):
     """A coalesced stream, used like the SDK's ``Stream``: ``for event in it``, ``with``,
     ``close()``; the events are the SDK's own types. ``source`` is ``HIT``, ``MISS`` or
     ``COALESCED``. Leaving early stops this caller only."""
-
-    def __init__(
-        self,
-        coalescer: Coalescer,
-        endpoint: Endpoint,
-        call: _Call,
-        flight: FlightStreamSync,
-        source: str,
-        age: float | None,
-        first: list[Any],
-    ) -> None:
-        super().__init__(coalescer, endpoint, call, source, age, first)
-        self._flight = flight
 
     def __iter__(self) -> CoalescedStream:
         return self
