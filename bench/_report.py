@@ -285,9 +285,14 @@ def _ratio_target(
     return _target(target, measured, worst, worst >= goal)
 
 
+def _worst_p99(lag: dict[str, Any]) -> float:
+    """The larger wake-lag p99 of owner-process and remote-follower callers."""
+    return float(max(lag["owner"]["p99"], lag["remote"]["p99"]))
+
+
 def _wake_target(prefix: str, lag: dict[str, Any]) -> dict[str, Any]:
     """The larger wake-lag p99 of owner-process and remote-follower callers."""
-    p99 = max(lag["owner"]["p99"], lag["remote"]["p99"])
+    p99 = _worst_p99(lag)
     return _target(
         f"{prefix}wake lag p99 <= {WAKE_P99_TARGET_MS:g} ms (loopback)",
         f"owner {lag['owner']['p99']:.2f} ms, remote {lag['remote']['p99']:.2f} ms",
@@ -983,8 +988,7 @@ def _floor_target(st: dict[str, Any]) -> list[dict[str, Any]]:
     floor = st.get("floor_wake_lag_ms")
     if not floor:
         return []
-    lag = st["wake_lag_ms"]
-    p99 = max(lag["owner"]["p99"], lag["remote"]["p99"])
+    p99 = _worst_p99(st["wake_lag_ms"])
     ratio = p99 / floor["p99"]
     return [
         _target(

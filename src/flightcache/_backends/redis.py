@@ -66,7 +66,6 @@ class RedisConnection:
         self.socket_timeout = socket_timeout
         self._made = (connect_timeout, client_name)
         self.cluster: Any = None
-        self.sentinel: SentinelURL | None = None
         self._master: SentinelMaster | None = None  # under Sentinel
         self._gate: asyncio.Semaphore | None = None  # a Cluster's bounded wait for a turn
         self._lane_gate: asyncio.Semaphore | None = None  # and its reserved lane's
@@ -100,8 +99,8 @@ class RedisConnection:
         pool: BoundedPool
         blocking_pool: BoundedPool
         if url.startswith(SENTINEL_SCHEMES):
-            self.sentinel = parse_sentinel_url(url)
-            self._master = SentinelMaster(self.sentinel, self.safe_url, connect_timeout)
+            parsed = parse_sentinel_url(url)
+            self._master = SentinelMaster(parsed, self.safe_url, connect_timeout)
             pool, blocking_pool = self._master.pools(common, socket_timeout, LANE)
         else:
             try:
@@ -152,6 +151,11 @@ class RedisConnection:
         if max_connections > ordinary:
             self._lane_gate = asyncio.Semaphore(max_connections - ordinary)
         self.scripts = {}
+
+    @property
+    def sentinel(self) -> SentinelURL | None:
+        """What the ``redis+sentinel://`` URL says (None for any other URL)."""
+        return self._master.url if self._master is not None else None
 
     def sync_lane(self, role: str) -> SyncLane:
         """Blocking connections to the same server(s), for a thread of its own (the lease
