@@ -212,7 +212,8 @@ async def test_a_follower_gets_an_uncached_error_published_just_after_its_block_
 
     flights: Any = follower._flights
     real_join = flights._join
-    real_peek = flights.follower._peek
+    rechecks = flights.follower.rechecks
+    real_send = rechecks._send
     held = False
 
     async def hold() -> None:
@@ -227,13 +228,13 @@ async def test_a_follower_gets_an_uncached_error_published_just_after_its_block_
             await hold()
         return await real_join(fk, opts, claim, **kw)
 
-    async def peek(fk: Any, claim: bytes) -> int:  # the re-check's first step, held alike
+    async def send(due: list[Any]) -> list[Any]:  # the re-check's peeks, held alike
         if not held:
             await hold()
-        return int(await real_peek(fk, claim))
+        return list(await real_send(due))
 
     flights._join = join
-    flights.follower._peek = peek
+    rechecks._send = send
     follower_task = asyncio.ensure_future(follower.do("q", loader))
     with pytest.raises(RemoteError, match="the model is down"):
         await asyncio.wait_for(follower_task, 8)

@@ -447,6 +447,62 @@ async def test_calls_made_together_share_a_write_and_a_lone_call_goes_at_once(
         await fc.aclose()
 
 
+async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_per_flight(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """300 flights followed for about five leases of a live owner (lease 0.4 s): their
+    re-checks are one heap and one timer (the loop holds a few timers more, not 300), each
+    flight is peeked about once a lease in calls of many flights, and no follower is woken
+    by a re-check (the claim still holds each time); when the owner ends, every follower
+    has its value."""
+    owner = FlightCache(private_server.url, namespace=namespace, lease=0.4, near_cache=False)
+    follower = FlightCache(private_server.url, namespace=namespace, lease=0.4, near_cache=False)
+    release, all_run = asyncio.Event(), asyncio.Event()
+    keys = 300
+    runs = 0
+
+    async def load() -> str:
+        nonlocal runs
+        runs += 1
+        if runs == keys:
+            all_run.set()
+        await release.wait()
+        return "v"
+
+    async def never() -> str:
+        raise AssertionError("the owner is alive")
+
+    loop = asyncio.get_running_loop()
+    scheduled: Any = loop._scheduled  # type: ignore[attr-defined]
+
+    def timers() -> int:
+        return sum(not handle.cancelled() for handle in scheduled)
+
+    try:
+        await owner.get("warm-up")
+        await follower.get("warm-up")
+        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
+        await asyncio.wait_for(all_run.wait(), 10)
+        rechecks = _conn_of_flights(follower).follower.rechecks
+        timers_before = timers()
+        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(keys)]
+        added: list[int] = []
+        for _ in range(20):  # 2 s: about five leases
+            await asyncio.sleep(0.1)
+            added.append(timers() - timers_before)
+        peeks, calls, woken = rechecks.peeks, rechecks.peek_calls, rechecks.woken
+        release.set()
+        assert await asyncio.gather(*owned) == ["v"] * keys
+        assert await asyncio.gather(*followed) == ["v"] * keys
+    finally:
+        await owner.aclose()
+        await follower.aclose()
+    assert max(added) <= 3, added  # one timer per flight would be 300
+    assert woken == 0
+    assert keys * 3 <= peeks <= keys * 6, peeks  # about one a flight and lease
+    assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
+
+
 async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_instant(
     private_server: EmbeddedServer, namespace: str
 ) -> None:
@@ -477,15 +533,16 @@ async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_in
         await asyncio.wait_for(all_run.wait(), 10)
         flights = _conn_of_flights(follower)
         peeks: list[float] = []
-        real_peek = flights.follower._peek
+        rechecks = flights.follower.rechecks
+        real_send = rechecks._send
 
-        async def peek(fk: Any, claim: bytes) -> int:
-            peeks.append(time.monotonic())
-            if len(peeks) == 200:
+        async def send(due: list[Any]) -> list[Any]:
+            peeks.extend([time.monotonic()] * len(due))
+            if len(peeks) >= 200:
                 peeked.set()
-            return int(await real_peek(fk, claim))
+            return list(await real_send(due))
 
-        flights.follower._peek = peek
+        rechecks._send = send
         joined = time.monotonic()
         followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(200)]
         await asyncio.wait_for(peeked.wait(), 5)

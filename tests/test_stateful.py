@@ -388,7 +388,7 @@ def test_the_protocols_invariants_hold_under_chosen_interleavings(
             p = self.procs[i]
             if p.phase != "follow":
                 return
-            left = int(scripts["peek_flight"](keys=[self.fk.meta], args=[p.gen]))
+            (left,) = scripts["peek_flight"](keys=[self.fk.meta], args=[p.gen])
             if left > 0:
                 after = client.xrange(self.fk.stream, b"(" + p.cursor, b"+")
                 missed = [(e, f[b"t"]) for e, f in after if f[b"t"] != b"chunk"]

@@ -90,6 +90,7 @@ class RedisFlights:
         return self.owner.renewer
 
     async def aclose(self) -> None:
+        await self.follower.rechecks.aclose()
         await self.owner.aclose()
 
     # -- reads ---------------------------------------------------------------------------

@@ -3,16 +3,15 @@
 Events arrive on the wake channel (``wakeup.py``): the entries the owner's scripts appended,
 applied after the follower's cursor; a message out of step, or a gap in hearing, makes the
 follower read its stream from the cursor instead. An owner that writes nothing (dead or
-frozen) is found by the lease-bounded re-check: a ``peek_flight`` (does the claim it follows
-still hold the flight? the peeks of one turn of the loop go out in one write), and a
-``join_flight`` in mode 'first' only when it does not.
+frozen) is found by the lease-bounded re-check (``rechecks.py``: one heap and timer for every
+followed flight of a server; a ``peek_flight`` asks whether the claim followed still holds
+the flight), and a ``join_flight`` in mode 'first' only when it does not.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import random
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,8 @@ from .._errors import FlightTimeout
 from .._keys import FlightKeys
 from .._types import CallOptions
 from .jobs import Job
-from .pipelined import Together
-from .state import FOLLOW, LUA, State
+from .rechecks import Rechecks
+from .state import FOLLOW, State
 from .wakeup import Entry, Waiter, entry_key
 
 if TYPE_CHECKING:
@@ -29,33 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flightcache.follow")
 
-# A lease re-check comes up to this share of the lease (and at most RECHECK_SPREAD_MAX_S)
-# after the lease's end, drawn for each wait: one owner renews all its leases in one batch,
-# so the leases its flights have left end together, and the followers of ten thousand such
-# flights would all re-check in one turn of the loop (a stall of ~100 ms every renewal
-# interval, which every wake message arriving then waits out).
-RECHECK_SPREAD = 0.1
-RECHECK_SPREAD_MAX_S = 0.25
-
 
 class Follower:
     """Follows flights on one server for one ``RedisFlights`` (whose joins it sends)."""
 
     def __init__(self, flights: RedisFlights) -> None:
         self.flights = flights
-        self._peeks = Together(flights.conn, LUA["peek_flight"])
-
-    def _recheck_at(self, lease_left_ms: int, opts: CallOptions) -> float:
-        """When a waiter told of ``lease_left_ms`` re-checks the owner if it hears nothing:
-        once that lease ran out, plus the margin, plus its draw of the spread."""
-        spread_s = min(opts.lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
-        margin_s = self.flights.tuning.block_margin_ms / 1000
-        return self.flights.clock() + lease_left_ms / 1000 + margin_s + random.random() * spread_s
-
-    async def _peek(self, fk: FlightKeys, claim: bytes) -> int:
-        """The lease left (ms) while the claim whose ``claimed`` entry is ``claim`` still
-        holds the flight, else -1."""
-        return int(await self._peeks.call([fk.meta], [claim]))
+        margin_s = flights.tuning.block_margin_ms / 1000
+        self.rechecks = Rechecks(flights.conn, margin_s, flights.clock)
 
     async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
         """The flight's stream after ``cursor``: what a follower missed (one short command
@@ -116,68 +96,88 @@ class Follower:
         this flight: only writes under the then-current token reach the stream (the scripts
         are fenced), so no token needs checking here. No connection is held while waiting.
         """
-        recheck_at = self._recheck_at(state.lease_left_ms, opts)
         last_id = state.last_id  # every event that can end this flight comes after it
-        claim = state.last_id  # the `claimed` entry of the claim followed
         if not job.inline_ok:
             waiter.lost()  # a stream: chunks appended before the join are read at once
-        while True:
-            sent = self.flights.clock()
-            if sent >= deadline:
-                raise FlightTimeout(
-                    f"no result within the wait bound of {opts.wait_bound_s:g} s", key=fk.digest
+        rechecks = self.rechecks
+        # (the claim followed: its `claimed` entry, the join's `from_id`, then the last one)
+        entry = rechecks.add(
+            fk, state.last_id, waiter, state.lease_left_ms, opts.lease_ms, deadline
+        )
+        try:
+            while True:
+                sent = self.flights.clock()
+                if sent >= deadline:
+                    raise FlightTimeout(
+                        f"no result within the wait bound of {opts.wait_bound_s:g} s",
+                        key=fk.digest,
+                    )
+                await waiter.wait()
+                due = waiter.take_due()
+                if waiter.news:
+                    news = await self._news(fk, waiter, last_id)
+                    for entry_id, fields in news:
+                        last_id = entry_id
+                        kind = fields.get(b"t")
+                        if kind == b"claimed":  # past our position: the owner we followed died
+                            log.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
+                            job.on_claimed(entry_id)
+                            entry.claim = entry_id
+                            continue
+                        if kind == b"chunk":
+                            job.on_chunk(int(fields[b"s"]), fields[b"v"])
+                            continue
+                        if kind in (b"done", b"error", b"reset"):
+                            return await self._end(fk, job, opts, sent, entry_id, fields)
+                    if news:  # the owner is alive: a whole lease before the next re-check
+                        rechecks.later(entry, opts.lease_ms)
+                if not due or self.flights.clock() >= deadline:
+                    continue  # (the wait bound ran out: raised above)
+                # The re-check found the claim we follow no longer holding the flight (or
+                # could not ask): join again to learn whether it ended, was taken over or
+                # fell vacant. While that claim still held it (renewed), nothing could have
+                # been missed: its end would have deleted meta, a takeover changed its claim.
+                now = await self.flights._join(
+                    fk, opts, "first", refresh=opts.refresh, since=last_id
                 )
-            if await waiter.wait(max(min(recheck_at, deadline) - sent, 0.001)):
-                news = await self._news(fk, waiter, last_id)
-                for entry_id, fields in news:
-                    last_id = entry_id
-                    kind = fields.get(b"t")
-                    if kind == b"claimed":  # past our position: the owner we followed died
-                        log.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
-                        job.on_claimed(entry_id)
-                        claim = entry_id
-                        continue
-                    if kind == b"chunk":
-                        job.on_chunk(int(fields[b"s"]), fields[b"v"])
-                        continue
-                    if kind == b"done":
-                        count = fields.get(b"n")
-                        if count is not None and job.has_all(int(count)):
-                            return b""  # a stream: every chunk is here already
-                        value = fields.get(b"v")
-                        if value is None:
-                            value = await self.flights.lookup(fk)
-                        elif b"x" in fields:  # stored: a near cache may lease it
-                            job.lease = (sent, int(fields[b"x"]))
-                            job.cost_ms = int(fields.get(b"c", 0)) or None
-                        if value is not None:
-                            return bytes(value)
-                        # the result is gone already (evicted, or a tiny TTL): start over
-                        return await self.flights._join(fk, opts, "always", refresh=opts.refresh)
-                    if kind == b"error":
-                        return bytes(fields.get(b"v", b""))
-                    if kind == b"reset":
-                        now = await self.flights._join(
-                            fk, opts, "first", refresh=opts.refresh, since=entry_id
-                        )
-                        return replace(now, since=entry_id)
-                if news:  # the owner is alive: a whole lease before the next re-check
-                    recheck_at = self._recheck_at(opts.lease_ms, opts)
-                continue
-            if self.flights.clock() >= deadline:
-                continue  # the wait bound, not the lease, ran out
-            # The wait ran out with no event: is the owner still alive? While the claim we
-            # follow still holds the flight (renewed), nothing can have been missed: its end
-            # would have deleted meta, a takeover would have changed its claim.
-            left_ms = await self._peek(fk, claim)
-            if left_ms > 0:
-                recheck_at = self._recheck_at(left_ms, opts)
-                continue
-            now = await self.flights._join(fk, opts, "first", refresh=opts.refresh, since=last_id)
-            if now.kind != FOLLOW:
-                return replace(now, since=last_id)
-            job.on_follow(now.last_id)
-            claim = now.last_id
-            if entry_key(now.last_id) > entry_key(last_id):
-                last_id = now.last_id  # a later claim: its events start there
-            recheck_at = self._recheck_at(now.lease_left_ms, opts)
+                if now.kind != FOLLOW:
+                    return replace(now, since=last_id)
+                job.on_follow(now.last_id)
+                entry.claim = now.last_id
+                if entry_key(now.last_id) > entry_key(last_id):
+                    last_id = now.last_id  # a later claim: its events start there
+                rechecks.later(entry, now.lease_left_ms)
+        finally:
+            rechecks.drop(entry)
+
+    async def _end(
+        self,
+        fk: FlightKeys,
+        job: Job,
+        opts: CallOptions,
+        sent: float,
+        entry_id: bytes,
+        fields: dict[bytes, bytes],
+    ) -> bytes | State:
+        """What an event that ends the followed flight (``done``, ``error``, ``reset``) gives
+        its follower: the result, or the State of a join in mode 'first' (``reset``, or a
+        result already gone)."""
+        kind = fields.get(b"t")
+        if kind == b"done":
+            count = fields.get(b"n")
+            if count is not None and job.has_all(int(count)):
+                return b""  # a stream: every chunk is here already
+            value = fields.get(b"v")
+            if value is None:
+                value = await self.flights.lookup(fk)
+            elif b"x" in fields:  # stored: a near cache may lease it
+                job.lease = (sent, int(fields[b"x"]))
+                job.cost_ms = int(fields.get(b"c", 0)) or None
+            if value is not None:
+                return bytes(value)
+            # the result is gone already (evicted, or a tiny TTL): start over
+            return await self.flights._join(fk, opts, "always", refresh=opts.refresh)
+        if kind == b"error":
+            return bytes(fields.get(b"v", b""))
+        now = await self.flights._join(fk, opts, "first", refresh=opts.refresh, since=entry_id)
+        return replace(now, since=entry_id)

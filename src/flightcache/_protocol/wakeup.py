@@ -53,22 +53,25 @@ def entry_key(entry_id: bytes) -> tuple[int, int]:
 
 
 class Waiter:
-    """One follower's mailbox for one digest: messages in arrival order, and whether the
-    follower must re-read its stream (a message may have been missed)."""
+    """One follower's mailbox for one digest: messages in arrival order, whether the
+    follower must re-read its stream (a message may have been missed), and whether it must
+    join again (``due``: its lease re-check found the claim gone, or its wait bound ran
+    out; ``rechecks.py``)."""
 
-    __slots__ = ("_future", "digest", "gap", "hub", "messages")
+    __slots__ = ("_future", "digest", "due", "gap", "hub", "messages")
 
     def __init__(self, hub: WakeHub, digest: str, gap: bool) -> None:
         self.hub = hub
         self.digest = digest
         self.messages: list[tuple[bytes, list[Entry]]] = []
         self.gap = gap
-        self._future: asyncio.Future[bool] | None = None  # while someone waits (hits never)
+        self.due = False
+        self._future: asyncio.Future[None] | None = None  # while someone waits (hits never)
 
     def _wake(self) -> None:
         future = self._future
         if future is not None and not future.done():
-            future.set_result(True)
+            future.set_result(None)
 
     def push(self, prev: bytes, entries: list[Entry]) -> None:
         self.messages.append((prev, entries))
@@ -78,35 +81,34 @@ class Waiter:
         self.gap = True
         self._wake()
 
+    def recheck(self) -> None:
+        self.due = True
+        self._wake()
+
     @property
-    def pending(self) -> bool:
+    def news(self) -> bool:
         return self.gap or bool(self.messages)
 
-    async def wait(self, timeout_s: float) -> bool:
-        """Until there is news, or ``timeout_s`` passed (then False). A future and a timer
-        (no task, no ``wait_for``): a wake-up is one step of the loop for the follower, which
-        counts when ten thousand of them come at once."""
-        if self.pending:
-            return True
-        loop = asyncio.get_running_loop()
-        future = self._future = loop.create_future()
-        timer = loop.call_later(timeout_s, _ran_out, future)  # the wait's bound
+    async def wait(self) -> None:
+        """Until there is news or a re-check is due. A future and nothing else (no timer: the
+        bound is kept by ``Rechecks``; no task, no ``wait_for``): a wake-up is one step of
+        the loop for the follower, which counts when ten thousand of them come at once."""
+        if self.due or self.gap or self.messages:
+            return
+        future = self._future = asyncio.get_running_loop().create_future()
         try:
             await future
         finally:
-            timer.cancel()
             self._future = None
-        return self.pending
 
     def take(self) -> tuple[bool, list[tuple[bytes, list[Entry]]]]:
         gap, messages = self.gap, self.messages
         self.gap, self.messages = False, []
         return gap, messages
 
-
-def _ran_out(future: asyncio.Future[bool]) -> None:
-    if not future.done():
-        future.set_result(False)
+    def take_due(self) -> bool:
+        due, self.due = self.due, False
+        return due
 
 
 class WakeHub:

@@ -1,9 +1,16 @@
--- peek_flight: is the flight a follower waits on still running under the claim it knows?
--- KEYS[1] meta   ARGV[1] the stream entry id of that claim (its `claimed` event)
--- Returns the lease left in ms while meta holds that very claim, else -1: the flight ended
--- (its end deleted meta), lapsed, or was claimed again (another `claimed` entry); the
--- follower then joins again to learn which. Reads only.
-if redis.call('HGET', KEYS[1], 'claimEntry') == ARGV[1] then
-  return redis.call('PTTL', KEYS[1])
+-- peek_flight: are the flights followers wait on still running under the claims they know?
+-- KEYS[i] meta of flight i   ARGV[i] the stream entry id of the claim followed (its
+-- `claimed` event). Several flights a call (their re-checks due together; on a Cluster,
+-- one slot a call).
+-- Returns, per flight, the lease left in ms while meta holds that very claim, else -1: the
+-- flight ended (its end deleted meta), lapsed, or was claimed again (another `claimed`
+-- entry); its follower then joins again to learn which. Reads only.
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'claimEntry') == ARGV[i] then
+    out[i] = redis.call('PTTL', KEYS[i])
+  else
+    out[i] = -1
+  end
 end
-return -1
+return out

@@ -1,0 +1,233 @@
+"""The lease-bounded re-checks of every flight a process follows on one server, on one timer.
+
+A follower hears its flight's events on the wake channel (``wakeup.py``). Only an owner that
+writes nothing (dead or frozen) must be found another way: once the lease the follower was
+told of has run out (plus a margin and a spread), it asks whether the claim it follows still
+holds the flight (``peek_flight``), and joins again only when it does not.
+
+Those re-checks are kept here, for every followed flight of one server, in one heap with one
+timer for the earliest (fired ``GATHER_S`` late, so the re-checks due meanwhile go together).
+When it fires, the flights due are peeked together, one write out at a time, several
+flights a script call, and the answers are applied here: a claim that still holds only
+moves its flight's next re-check to when the lease it has left runs out, with no wake-up of
+its follower; a follower is woken only when its claim no longer holds, its peek failed, or
+its wait bound ran out, and it then joins again itself. So following ten thousand flights
+for a long time costs a heap entry a flight, and a share of a script call a flight and
+lease: no timer, task, future, command or wake-up of a coroutine per flight and lease.
+(Each of those, ten thousand at once since one owner renews its leases in one batch, kept
+every wake message behind them waiting for hundreds of milliseconds.) docs/protocol.md
+("Why no wake-up is lost", point 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.crc import key_slot
+
+from .._backends.redis import RedisConnection
+from .._keys import FlightKeys
+from .pipelined import script_calls
+from .state import LUA
+from .wakeup import Waiter
+
+log = logging.getLogger("flightcache.follow")
+
+# A re-check comes up to this share of the lease (and at most RECHECK_SPREAD_MAX_S) after the
+# lease's end, drawn for each wait: one owner renews all its leases in one batch, so the
+# leases its flights have left end together, and so would ten thousand re-checks.
+RECHECK_SPREAD = 0.1
+RECHECK_SPREAD_MAX_S = 0.25
+
+
+@dataclass(slots=True, eq=False)
+class Recheck:
+    """One followed flight: the claim its follower follows and when to re-check it."""
+
+    fk: FlightKeys
+    claim: bytes  # the stream id of the followed claim's `claimed` entry
+    waiter: Waiter
+    lease_ms: int  # the call's lease: the spread of its re-checks
+    deadline: float  # the call's wait bound: its follower is woken then
+    due: float = 0.0  # the next re-check
+    queued: int = -1  # the number of its heap item, if it has one (else -1)
+    at: float = 0.0  # when that heap item comes up
+    peeking: bool = False  # its peek is out: the answer queues it again
+    gone: bool = False
+
+
+class Rechecks:
+    """The re-checks of every flight this process follows on one server."""
+
+    GATHER_S = 0.01  # the timer fires this late: the re-checks due meanwhile go together
+    PEEK_WRITE = 2000  # flights a write: the due ones beyond go in the next
+    PEEK_CALL = 200  # flights a script call on one server
+
+    def __init__(self, conn: RedisConnection, margin_s: float, clock: Callable[[], float]) -> None:
+        self._conn = conn
+        self._margin_s = margin_s
+        self._clock = clock
+        self._heap: list[tuple[float, int, Recheck]] = []
+        self._numbers = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._sender: asyncio.Task[None] | None = None
+        self.peeks = 0  # flights peeked, for tests and the bench
+        self.peek_calls = 0  # script calls that carried them
+        self.woken = 0  # followers woken to join again
+
+    def __len__(self) -> int:
+        """Heap items (a flight that ended leaves one until it comes up)."""
+        return len(self._heap)
+
+    def add(
+        self,
+        fk: FlightKeys,
+        claim: bytes,
+        waiter: Waiter,
+        lease_left_ms: int,
+        lease_ms: int,
+        deadline: float,
+    ) -> Recheck:
+        """Re-check ``claim`` once the ``lease_left_ms`` a join was told of ran out."""
+        entry = Recheck(fk, claim, waiter, lease_ms, deadline)
+        entry.due = self._after(lease_left_ms, lease_ms)
+        self._push(entry, min(entry.due, deadline))
+        return entry
+
+    def later(self, entry: Recheck, lease_left_ms: int) -> None:
+        """The owner was heard from (or a join found the flight anew): the next re-check
+        comes once ``lease_left_ms`` from now ran out. An earlier heap item is moved when it
+        comes up; a peek out now keeps the later of its answer and this."""
+        entry.due = self._after(lease_left_ms, entry.lease_ms)
+        at = min(entry.due, entry.deadline)
+        if not entry.peeking and (entry.queued == -1 or at < entry.at):
+            self._push(entry, at)
+
+    def drop(self, entry: Recheck) -> None:
+        """The follower is done: its heap item is skipped when it comes up."""
+        entry.gone = True
+        entry.queued = -1
+
+    def _after(self, lease_left_ms: int, lease_ms: int) -> float:
+        spread_s = min(lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
+        return self._clock() + lease_left_ms / 1000 + self._margin_s + random.random() * spread_s
+
+    def _push(self, entry: Recheck, at: float) -> None:
+        number = next(self._numbers)
+        entry.queued, entry.at = number, at
+        heapq.heappush(self._heap, (at, number, entry))
+        self._arm()
+
+    def _arm(self) -> None:
+        """One timer, for the earliest heap item, ``GATHER_S`` late (none while the sender
+        runs: it arms it when done). A timer up to ``GATHER_S`` later still stands: a
+        hundred flights followed in one turn do not replace it a hundred times."""
+        if not self._heap or self._sender is not None:
+            return
+        at = self._heap[0][0] + self.GATHER_S
+        if self._timer is not None:
+            if self._timer_at <= at + self.GATHER_S:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(at - self._clock(), 0.0), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_due())
+
+    async def _send_due(self) -> None:
+        """The peeks of every flight due, ``PEEK_WRITE`` a write, one write out at a time."""
+        try:
+            while True:
+                due = self._take_due()
+                if not due:
+                    return
+                await self._peek(due)
+        finally:
+            self._sender = None
+            self._arm()
+
+    def _take_due(self) -> list[Recheck]:
+        """Up to ``PEEK_WRITE`` flights whose re-check is due now; those whose wait bound ran
+        out are woken instead (their followers raise)."""
+        now = self._clock()
+        heap = self._heap
+        due: list[Recheck] = []
+        while heap and heap[0][0] <= now and len(due) < self.PEEK_WRITE:
+            _, number, entry = heapq.heappop(heap)
+            if entry.queued != number:  # the flight ended, or its item was moved earlier
+                continue
+            entry.queued = -1
+            at = min(entry.due, entry.deadline)
+            if at > now:  # heard from meanwhile: its re-check moved later
+                self._push(entry, at)
+            elif now >= entry.deadline:
+                self._wake(entry)
+            else:
+                entry.peeking = True
+                due.append(entry)
+        return due
+
+    async def _peek(self, due: list[Recheck]) -> None:
+        replies: list[Any]
+        try:
+            replies = await self._send(due)
+        except Exception as exc:  # unreachable or refused: each follower joins and learns it
+            log.info("lease re-check of %d flights failed: %s", len(due), exc)
+            replies = [exc] * len(due)
+        for entry, reply in zip(due, replies, strict=True):
+            entry.peeking = False
+            if entry.gone:
+                continue
+            if type(reply) is int and reply > 0:  # the claim still holds, renewed
+                entry.due = max(entry.due, self._after(reply, entry.lease_ms))
+                self._push(entry, min(entry.due, entry.deadline))
+            else:  # ended, lapsed or claimed anew (or the peek failed): the follower joins,
+                self._wake(entry)  # and queues it again with what the join told
+
+    async def _send(self, due: list[Recheck]) -> list[Any]:
+        """Each flight's lease left (ms) while its claim holds, else -1; or the error that
+        failed its call. ``peek_flight`` calls of up to ``PEEK_CALL`` flights (one slot a
+        call on a Cluster), all in one round trip (one per node of a Cluster)."""
+        self.peeks += len(due)
+        groups: list[list[Recheck]]
+        if self._conn.cluster is not None:
+            slots: dict[int, list[Recheck]] = {}
+            for entry in due:
+                slots.setdefault(key_slot(entry.fk.meta.encode()), []).append(entry)
+            groups = list(slots.values())
+        else:
+            size = self.PEEK_CALL
+            groups = [due[i : i + size] for i in range(0, len(due), size)]
+        calls = [([e.fk.meta for e in group], [e.claim for e in group]) for group in groups]
+        replies = await script_calls(self._conn, LUA["peek_flight"], calls)
+        self.peek_calls += len(calls)
+        out: list[Any] = []
+        for group, reply in zip(groups, replies, strict=True):
+            out += reply if isinstance(reply, list) else [reply] * len(group)
+        return out
+
+    def _wake(self, entry: Recheck) -> None:
+        self.woken += 1
+        entry.waiter.recheck()
+
+    async def aclose(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._heap.clear()
+        sender = self._sender
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
