@@ -37,6 +37,10 @@ log = logging.getLogger("flightcache.heartbeat")
 RETRY_FRACTION = 1.0  # after a failed batch, retry one interval later (as a lone heartbeat did)
 PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flights
 STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renewals
+# The renewals' thread lets the loop's thread have the GIL this often while it settles a
+# batch (ten thousand leases are milliseconds of Python; the interpreter alone would switch
+# only after its 5 ms interval, a stall every wake-up arriving then waits out).
+BREATHE_EVERY = 1000
 
 
 class Lease:
@@ -158,18 +162,31 @@ class _Book:
         long more to wait for it (None: none is). A renewal still unanswered when a lease
         runs out proves nothing for that lease: it is given up then, while the others wait
         on for the same answer."""
-        waiting = self._lapse(waiting, "no answer")
+        now = self._clock()
+        lapsed = 0  # (sorted by proof: the lapsed ones lead, and only they are looked at)
+        while lapsed < len(waiting) and (
+            now >= waiting[lapsed].proven_until or id(waiting[lapsed]) not in self._leases
+        ):
+            lapsed += 1
+        if lapsed:
+            self._lapse(waiting[:lapsed], "no answer")
+            waiting = waiting[lapsed:]
         if not waiting:
             return waiting, None
-        return waiting, max(waiting[0].proven_until - self._clock(), 0.001)
+        return waiting, max(waiting[0].proven_until - now, 0.001)
 
     def _failed(self, batch: Sequence[Lease], exc: Exception) -> None:
         for lease in self._lapse(batch, repr(exc)):
             log.info("flight %s: renewal failed, retrying: %r", lease.digest, exc)
             lease.next_due = self._clock() + lease.interval_s * RETRY_FRACTION
 
+    def _breathe(self) -> None:
+        """A pause in a long batch's bookkeeping (the thread's lets the loop run)."""
+
     def _settle(self, batch: Sequence[Lease], answers: Sequence[bool], sent: float) -> None:
-        for lease, ok in zip(batch, answers, strict=True):
+        for n, (lease, ok) in enumerate(zip(batch, answers, strict=True)):
+            if n % BREATHE_EVERY == BREATHE_EVERY - 1:
+                self._breathe()
             if id(lease) not in self._leases:
                 continue  # its loader ended, or it was given up, while the batch was out
             if not ok:
@@ -291,6 +308,9 @@ class ThreadRenewer(_Book):
         self._pulse = None
         if self._leases:
             self._pulse = asyncio.get_running_loop().call_later(PULSE_S, self._beats)
+
+    def _breathe(self) -> None:
+        time.sleep(0)  # the GIL to the loop's thread, if it waits for it
 
     def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
         with self._lock:

@@ -199,12 +199,13 @@ class Owner:
         lane = self._lane
         if lane is None:
             lane = self._lane = self.conn.sync_lane("renew")
-        batches, calls = self._renew_calls(leases, False)
+        _, calls = self._renew_calls(leases, False)
         replies = lane.calls(LUA["renew_leases"], calls, patience)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
-        return self._answers(leases, batches, replies)
+        # (one server: the batches are the leases' slices, in order)
+        return [bool(int(ok)) for reply in replies for ok in reply]
 
     async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
         """One pipeline renewing every lease given, on the reserved lane."""
