@@ -19,6 +19,8 @@ REMAP_TARGET = 1.2  # x the ideal 1 / (N + 1)
 BLOOM_TARGET = 1.2  # x the configured error rate
 RUNS_PER_TTL_TARGET = 1.25  # refresh-ahead: one run per expiry, started somewhat early
 WAKE_RATIO_TARGET = 2.0  # many keys' wake lag / one key's, p50 and p99
+# A wave of 1,000 ending at once: its wake lag / the same wave's with plain redis-py.
+TOGETHER_PLAIN_TARGET = 1.5
 MISS_RATIO_TARGET = 0.8  # fc.do misses/s / GET-then-SET misses/s
 FLIGHT_BYTES_TARGET = 1024  # server memory per in-flight key
 STREAM_WALL_TARGET = 1.3  # 1,000 streams via two gateways / the same clients direct
@@ -664,9 +666,11 @@ def print_scale(k: dict[str, Any]) -> None:
         f"     follower's server connections (CLIENT LIST): peak {fc['peak']} ({fc['listeners']} "
         f"listener, {fc['blocked_peak']} in a blocking command); baseline, one key: {bc['peak']}"
     )
+    rc = f["rechecks"]
     print(
         f"     follower's commands per flight: {f['stats']['commands'] / m['keys']:.2f} "
-        f"(fc.stats: the join, and a lease re-check each lease it waits)"
+        f"(fc.stats); lease re-checks: {rc['peeks']} flights peeked in {rc['calls']} script "
+        f"calls, {rc['woken']} followers woken by them"
     )
     print("     wake lag (ms)                                      n     p50     p99     max")
     print(_row(f"{m['keys']} keys: follower's return - loader end", m["wake_lag_ms"]))
@@ -690,6 +694,18 @@ def print_scale(k: dict[str, Any]) -> None:
     print(
         f"     ratio to the one-key baseline: p50 {t['wake_lag_ratio']['p50']:.1f}x, p99 "
         f"{t['wake_lag_ratio']['p99']:.1f}x"
+    )
+    fl = t["plain"]
+    print(
+        f"     baseline, the same processes with plain redis-py: {fl['keys']} SET+PUBLISH in one "
+        f"instant (pool of 64), one pub/sub reader waking {fl['keys']} tasks; {fl['rounds']} "
+        f"rounds, {fl['woken']} woken"
+    )
+    print(_row("  follower's wake-up - end", fl["wake_lag_ms"]))
+    print(_row("  owner's own return - end", fl["owner_return_lag_ms"]))
+    print(
+        f"     ratio to plain redis-py: p50 {t['plain_ratio']['p50']:.2f}x, p99 "
+        f"{t['plain_ratio']['p99']:.2f}x"
     )
     for role, process in (("owner", o), ("follower", f)):
         g = process["gc"]
@@ -831,6 +847,15 @@ def scale_key_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:
             f"the owner's own callers {t['owner_return_lag_ms']['p99']:.1f} ms)",
             worst_t,
             worst_t <= WAKE_RATIO_TARGET,
+        ),
+        _target(
+            f"{t['keys']} keys, {t['wave']} ending at once: wake lag <= "
+            f"{TOGETHER_PLAIN_TARGET:g} x plain redis-py's for the same wave",
+            f"p50 {t['plain_ratio']['p50']:.2f}x, p99 {t['plain_ratio']['p99']:.2f}x (plain: "
+            f"p50 {t['plain']['wake_lag_ms']['p50']:.1f}, p99 "
+            f"{t['plain']['wake_lag_ms']['p99']:.1f} ms)",
+            max(t["plain_ratio"].values()),
+            max(t["plain_ratio"].values()) <= TOGETHER_PLAIN_TARGET,
         ),
         _target(
             f"owner burst of {burst['keys']}: all right in {burst['bound_s']:g} s",

@@ -350,6 +350,33 @@ async def _many_keys(
     }
 
 
+async def _plain_together(
+    owner: Worker, follower: Worker, run_id: str, keys: int, rounds: int
+) -> dict[str, Any]:
+    """The ending-together wave done with plain redis-py by the same two processes
+    (``bench._scale_plain``): ``keys`` events in one instant, ``rounds`` times. The
+    follower's wake-up minus the key's end, and the owner's own return minus it (ms)."""
+    lags: list[float] = []
+    own_lags: list[float] = []
+    for r in range(rounds):
+        channel = f"bench-plain:{run_id}:{r}"
+        await follower.ask({"op": "plain_follow", "channel": channel, "keys": keys}, 10)
+        order = {"channel": channel, "prefix": f"plain:{run_id}", "keys": keys, "delay_s": 0.3}
+        done = await owner.ask({"op": "plain_own", **order}, 30)
+        woken = (await follower.ask({"op": "plain_results", "timeout": 10}, 20))["woken"]
+        for end, ret, wake in zip(done["ends"], done["returns"], woken, strict=True):
+            own_lags.append((ret - end) * 1000)
+            if wake is not None:
+                lags.append((wake - end) * 1000)
+    return {
+        "keys": keys,
+        "rounds": rounds,
+        "woken": len(lags),
+        "wake_lag_ms": summary(lags),
+        "owner_return_lag_ms": summary(own_lags),
+    }
+
+
 async def _burst(
     url: str, namespace: str, run_id: str, keys: int, bound_s: float
 ) -> dict[str, Any]:
@@ -392,7 +419,8 @@ async def run_flights(
 ) -> dict[str, Any]:
     """The many-keys phase twice: the loaders' ends spread over ``spread_s`` (as distinct
     LLM calls end), then every wave of ``wave`` loaders ending in the same instant (the
-    worst case: the owner completes a wave at once); then the owner burst."""
+    worst case: the owner completes a wave at once), with its baseline (a wave of ``wave``
+    events done with plain redis-py by the same processes); then the owner burst."""
     run_id = uuid.uuid4().hex[:8]
     namespace = f"bench-scale-{run_id}"
     ctl = aioredis.Redis.from_url(url)
@@ -416,12 +444,16 @@ async def run_flights(
                 )
                 for spread in (spread_s, 0.0)
             ]
+            plain = await _plain_together(owner, follower, run_id, wave, rounds=3)
     finally:
         await ctl.aclose()
     burst = await _burst(url, namespace, run_id, keys, burst_bound_s)
     base = single["wake_lag_ms"]
     for phase in (many, together):
         phase["wake_lag_ratio"] = {q: phase["wake_lag_ms"][q] / base[q] for q in ("p50", "p99")}
+    plain_lag = plain["wake_lag_ms"]
+    together["plain"] = plain
+    together["plain_ratio"] = {q: together["wake_lag_ms"][q] / plain_lag[q] for q in ("p50", "p99")}
     return {
         "single_key": single,
         "many_keys": many,

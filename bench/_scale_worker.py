@@ -23,6 +23,8 @@ orders as JSON lines on stdin (``bench._orders``), answering each with one JSON 
   (then cancelled), loader runs and times, the wake lag of each call (its return minus the
   owner's loader end, in ms), each key's return time, and the library's warnings meanwhile
   (counted by shape, with the first time each was seen: they are not printed).
+- ``plain_follow``, ``plain_own``, ``plain_results``: a wave of events ending at once done
+  with plain redis-py (``bench._scale_plain``).
 - ``{"op": "quit"}`` (or end of input): close the cache and exit.
 """
 
@@ -42,6 +44,7 @@ from typing import Any
 from flightcache import FlightCache
 
 from ._orders import serve
+from ._scale_plain import OPS as PLAIN_OPS
 from ._worker import warm
 
 
@@ -116,6 +119,7 @@ class Batch:
         self.failed = 0
         self._moved = asyncio.Event()  # a loader started or a call failed
         self.stats_before = fc.stats
+        self.rechecks_before = _rechecks(fc)
         self.started = time.monotonic()
         wave = int(msg.get("wave", 0)) or self.keys
         self.tasks: list[asyncio.Task[tuple[float, float, Any, str | None]]] = []
@@ -217,9 +221,20 @@ class Batch:
             "late": late,
             "seconds": time.monotonic() - self.started,
             "stats": {k: v - self.stats_before.get(k, 0) for k, v in after.items()},
+            "rechecks": {k: v - self.rechecks_before[k] for k, v in _rechecks(fc).items()},
             "warnings": LOGGED.top(),
             "gc": GC.since(self.started),
         }
+
+
+def _rechecks(fc: FlightCache) -> dict[str, int]:
+    """The follower's lease re-checks so far (``_protocol/rechecks.py``): flights peeked,
+    the script calls that carried them, followers woken to join again."""
+    parts: Any = fc._parts
+    if parts is None or not parts.redis_flights:
+        return {"peeks": 0, "calls": 0, "woken": 0}
+    rechecks = parts.redis_flights[0].follower.rechecks
+    return {"peeks": rechecks.peeks, "calls": rechecks.peek_calls, "woken": rechecks.woken}
 
 
 _batch: list[Batch] = []  # the last own/follow of this process, if any
@@ -270,5 +285,12 @@ def _cache() -> FlightCache:
 if __name__ == "__main__":
     serve(
         _cache,
-        {"warm": warm, "own": own, "follow": follow, "progress": progress, "results": results},
+        {
+            "warm": warm,
+            "own": own,
+            "follow": follow,
+            "progress": progress,
+            "results": results,
+            **PLAIN_OPS,
+        },
     )
