@@ -4,6 +4,7 @@ number of flights it waits for (docs/protocol.md, "Waiting, claiming and renewin
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -501,6 +502,68 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
     assert woken == 0
     assert keys * 3 <= peeks <= keys * 6, peeks  # about one a flight and lease
     assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
+
+
+@pytest.mark.timeout(90)
+async def test_every_flight_of_a_killed_owner_is_taken_over_by_its_follower(
+    private_server: EmbeddedServer, namespace: str, tmp_path: Path
+) -> None:
+    """An owner process of 300 flights (30 s loaders, lease 1 s) is SIGKILLed while this
+    process follows them all: each flight's re-check (one heap, one timer) finds its claim
+    lapsed and wakes its follower, which takes the flight over and runs its own loader:
+    every caller gets the takeover's value, each loader once, all within a few leases."""
+    keys, lease = 300, 1.0
+    cfg = {
+        "url": private_server.url,
+        "namespace": namespace,
+        "keys": keys,
+        "markers": str(tmp_path),
+        "role": "owner",
+        "loader_s": 30.0,
+        "lease": lease,
+    }
+    owner = _start(cfg)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "owning").exists():
+            assert owner.poll() is None, owner.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "the owner never started its loaders"
+            await asyncio.sleep(0.05)
+        follower = FlightCache(
+            private_server.url, namespace=namespace, lease=lease, near_cache=False
+        )
+        runs: list[int] = []
+
+        async def load(i: int) -> str:
+            runs.append(i)
+            return f"taken-{i}"
+
+        try:
+            await follower.get("warm-up")
+            calls = [
+                asyncio.ensure_future(follower.do(f"key-{i}", functools.partial(load, i)))
+                for i in range(keys)
+            ]
+            await asyncio.sleep(1.5)  # a lease and more: every flight followed, re-checked
+            assert not any(call.done() for call in calls)
+            assert runs == []
+            owner.kill()
+            killed = time.monotonic()
+            values = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            took = time.monotonic() - killed
+            rechecks = _conn_of_flights(follower).follower.rechecks
+        finally:
+            await follower.aclose()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        owner.communicate()
+    assert values == [f"taken-{i}" for i in range(keys)]
+    assert sorted(runs) == list(range(keys))
+    assert rechecks.woken >= keys  # each follower woken by its re-check, none by polling
+    # The lease left (<= 1 s), the margin, the spread and the 10 ms gather, then a join and a
+    # takeover each; generous for a loaded 2-core machine.
+    assert took <= 5 * lease + 5, took
 
 
 async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_instant(
