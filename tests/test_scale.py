@@ -504,6 +504,49 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
     assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
 
 
+async def test_followed_flights_that_ended_leave_no_more_stale_rechecks_than_a_few(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """500 flights followed with a 30 s lease end at once: their re-checks' heap items,
+    due a lease later, are left out once the stale ones outnumber the live ones, so a
+    process whose flights end quickly does not keep each one (and its waiter) for a lease."""
+    owner = FlightCache(private_server.url, namespace=namespace, lease=30, near_cache=False)
+    follower = FlightCache(private_server.url, namespace=namespace, lease=30, near_cache=False)
+    release, all_run = asyncio.Event(), asyncio.Event()
+    keys, runs = 500, 0
+
+    async def load() -> str:
+        nonlocal runs
+        runs += 1
+        if runs == keys:
+            all_run.set()
+        await release.wait()
+        return "v"
+
+    async def never() -> str:
+        raise AssertionError("the owner is alive")
+
+    try:
+        await owner.get("warm-up")
+        await follower.get("warm-up")
+        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
+        await asyncio.wait_for(all_run.wait(), 10)
+        rechecks = _conn_of_flights(follower).follower.rechecks
+        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(keys)]
+        for _ in range(100):
+            if len(rechecks) >= keys:
+                break
+            await asyncio.sleep(0.05)
+        assert len(rechecks) == keys  # one item a followed flight
+        release.set()
+        assert await asyncio.gather(*owned) == ["v"] * keys
+        assert await asyncio.gather(*followed) == ["v"] * keys
+        assert len(rechecks) <= min(rechecks.COMPACT_AT, keys // 4), len(rechecks)
+    finally:
+        await owner.aclose()
+        await follower.aclose()
+
+
 @pytest.mark.timeout(90)
 async def test_every_flight_of_a_killed_owner_is_taken_over_by_its_follower(
     private_server: EmbeddedServer, namespace: str, tmp_path: Path

@@ -69,12 +69,14 @@ class Rechecks:
     GATHER_S = 0.01  # the timer fires this late: the re-checks due meanwhile go together
     PEEK_WRITE = 2000  # flights a write: the due ones beyond go in the next
     PEEK_CALL = 200  # flights a script call on one server
+    COMPACT_AT = 64  # stale heap items kept at least, before they are left out at once
 
     def __init__(self, conn: RedisConnection, margin_s: float, clock: Callable[[], float]) -> None:
         self._conn = conn
         self._margin_s = margin_s
         self._clock = clock
         self._heap: list[tuple[float, int, Recheck]] = []
+        self._stale = 0  # heap items whose flight ended or whose re-check moved earlier
         self._numbers = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -84,7 +86,8 @@ class Rechecks:
         self.woken = 0  # followers woken to join again
 
     def __len__(self) -> int:
-        """Heap items (a flight that ended leaves one until it comes up)."""
+        """Heap items: one a followed flight, and the stale ones of flights that ended (or
+        whose re-check moved earlier), fewer than the live ones or ``COMPACT_AT``."""
         return len(self._heap)
 
     def add(
@@ -112,15 +115,29 @@ class Rechecks:
             self._push(entry, at)
 
     def drop(self, entry: Recheck) -> None:
-        """The follower is done: its heap item is skipped when it comes up."""
+        """The follower is done: its heap item is skipped when it comes up (or left out
+        when the stale items are more than the live ones: a flight that ends at once must
+        not be kept for a lease, with its waiter, by a busy process)."""
         entry.gone = True
-        entry.queued = -1
+        if entry.queued != -1:
+            entry.queued = -1
+            self._stale_one()
+
+    def _stale_one(self) -> None:
+        self._stale += 1
+        if self._stale > self.COMPACT_AT and self._stale * 2 > len(self._heap):
+            self._heap = [item for item in self._heap if item[2].queued == item[1]]
+            heapq.heapify(self._heap)
+            self._stale = 0
 
     def _after(self, lease_left_ms: int, lease_ms: int) -> float:
         spread_s = min(lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
         return self._clock() + lease_left_ms / 1000 + self._margin_s + random.random() * spread_s
 
     def _push(self, entry: Recheck, at: float) -> None:
+        if entry.queued != -1:  # moved earlier: its item now is stale
+            entry.queued = -1
+            self._stale_one()
         number = next(self._numbers)
         entry.queued, entry.at = number, at
         heapq.heappush(self._heap, (at, number, entry))
@@ -167,6 +184,7 @@ class Rechecks:
         while heap and heap[0][0] <= now and len(due) < self.PEEK_WRITE:
             _, number, entry = heapq.heappop(heap)
             if entry.queued != number:  # the flight ended, or its item was moved earlier
+                self._stale -= 1
                 continue
             entry.queued = -1
             at = min(entry.due, entry.deadline)
@@ -227,6 +245,7 @@ class Rechecks:
             self._timer.cancel()
             self._timer = None
         self._heap.clear()
+        self._stale = 0
         sender = self._sender
         if sender is not None:
             sender.cancel()
