@@ -689,11 +689,10 @@ def print_scale(k: dict[str, Any]) -> None:
         f"{t['right']}/{t['keys']}, errors {t['error_count']}, follower connections peak "
         f"{t['follower_connections']['peak']}"
     )
-    print(_row("  follower's return - loader end", t["wake_lag_ms"]))
-    print(_row("  owner's own callers' return - loader end", t["owner_return_lag_ms"]))
-    print(
-        f"     ratio to the one-key baseline: p50 {t['wake_lag_ratio']['p50']:.1f}x, p99 "
-        f"{t['wake_lag_ratio']['p99']:.1f}x"
+    _lag_rows(
+        ("  follower's return - loader end", t["wake_lag_ms"]),
+        ("  owner's own callers' return - loader end", t["owner_return_lag_ms"]),
+        ("the one-key baseline", t["wake_lag_ratio"], 1),
     )
     fl = t["plain"]
     print(
@@ -701,11 +700,10 @@ def print_scale(k: dict[str, Any]) -> None:
         f"instant (pool of 64), one pub/sub reader waking {fl['keys']} tasks; {fl['rounds']} "
         f"rounds, {fl['woken']} woken"
     )
-    print(_row("  follower's wake-up - end", fl["wake_lag_ms"]))
-    print(_row("  owner's own return - end", fl["owner_return_lag_ms"]))
-    print(
-        f"     ratio to plain redis-py: p50 {t['plain_ratio']['p50']:.2f}x, p99 "
-        f"{t['plain_ratio']['p99']:.2f}x"
+    _lag_rows(
+        ("  follower's wake-up - end", fl["wake_lag_ms"]),
+        ("  owner's own return - end", fl["owner_return_lag_ms"]),
+        ("plain redis-py", t["plain_ratio"], 2),
     )
     for role, process in (("owner", o), ("follower", f)):
         g = process["gc"]
@@ -812,6 +810,18 @@ def print_scale(k: dict[str, Any]) -> None:
         f"Redis {via['redis']:.2f}, client {via['client']:.2f}; direct: mock "
         f"{direct['mock']:.2f}, client {direct['client']:.2f}"
     )
+
+
+def _lag_rows(
+    follower: tuple[str, dict[str, Any]],
+    owner: tuple[str, dict[str, Any]],
+    ratio: tuple[str, dict[str, float], int],
+) -> None:
+    """A wave's two wake-lag rows, and its ratio to ``ratio``'s baseline."""
+    for label, lag in (follower, owner):
+        print(_row(label, lag))
+    name, r, digits = ratio
+    print(f"     ratio to {name}: p50 {r['p50']:.{digits}f}x, p99 {r['p99']:.{digits}f}x")
 
 
 def scale_key_targets(k: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -4,6 +4,8 @@ number of flights it waits for (docs/protocol.md, "Waiting, claiming and renewin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -11,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -448,18 +451,37 @@ async def test_calls_made_together_share_a_write_and_a_lone_call_goes_at_once(
         await fc.aclose()
 
 
-async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_per_flight(
-    private_server: EmbeddedServer, namespace: str
-) -> None:
-    """300 flights followed for about five leases of a live owner (lease 0.4 s): their
-    re-checks are one heap and one timer (the loop holds a few timers more, not 300), each
-    flight is peeked about once a lease in calls of many flights, and no follower is woken
-    by a re-check (the claim still holds each time); when the owner ends, every follower
-    has its value."""
-    owner = FlightCache(private_server.url, namespace=namespace, lease=0.4, near_cache=False)
-    follower = FlightCache(private_server.url, namespace=namespace, lease=0.4, near_cache=False)
+@dataclasses.dataclass
+class _Held:
+    """``keys`` flights of ``owner`` whose loaders all run and wait for ``release``, and a
+    second cache on the same server to follow them."""
+
+    owner: FlightCache
+    follower: FlightCache
+    release: asyncio.Event
+    owned: list[asyncio.Future[str]]
+
+    def follow(self) -> list[asyncio.Future[str]]:
+        return [
+            asyncio.ensure_future(self.follower.do(f"k{i}", _never)) for i in range(len(self.owned))
+        ]
+
+    async def end(self, followed: list[asyncio.Future[str]]) -> None:
+        """Release the loaders: every caller of both caches gets the owner's value."""
+        self.release.set()
+        assert await asyncio.gather(*self.owned) == ["v"] * len(self.owned)
+        assert await asyncio.gather(*followed) == ["v"] * len(self.owned)
+
+
+async def _never() -> str:
+    raise AssertionError("the owner is alive")
+
+
+@contextlib.asynccontextmanager
+async def _held(url: str, namespace: str, keys: int, lease: float) -> AsyncIterator[_Held]:
+    owner = FlightCache(url, namespace=namespace, lease=lease, near_cache=False)
+    follower = FlightCache(url, namespace=namespace, lease=lease, near_cache=False)
     release, all_run = asyncio.Event(), asyncio.Event()
-    keys = 300
     runs = 0
 
     async def load() -> str:
@@ -470,34 +492,43 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
         await release.wait()
         return "v"
 
-    async def never() -> str:
-        raise AssertionError("the owner is alive")
+    try:
+        await owner.get("warm-up")
+        await follower.get("warm-up")
+        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
+        await asyncio.wait_for(all_run.wait(), 10)
+        yield _Held(owner, follower, release, owned)
+    finally:
+        release.set()
+        await owner.aclose()
+        await follower.aclose()
 
+
+async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_per_flight(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """300 flights followed for about five leases of a live owner (lease 0.4 s): their
+    re-checks are one heap and one timer (the loop holds a few timers more, not 300), each
+    flight is peeked about once a lease in calls of many flights, and no follower is woken
+    by a re-check (the claim still holds each time); when the owner ends, every follower
+    has its value."""
+    keys = 300
     loop = asyncio.get_running_loop()
     scheduled: Any = loop._scheduled  # type: ignore[attr-defined]
 
     def timers() -> int:
         return sum(not handle.cancelled() for handle in scheduled)
 
-    try:
-        await owner.get("warm-up")
-        await follower.get("warm-up")
-        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
-        await asyncio.wait_for(all_run.wait(), 10)
-        rechecks = _conn_of_flights(follower).follower.rechecks
+    async with _held(private_server.url, namespace, keys, lease=0.4) as held:
+        rechecks = _conn_of_flights(held.follower).follower.rechecks
         timers_before = timers()
-        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(keys)]
+        followed = held.follow()
         added: list[int] = []
         for _ in range(20):  # 2 s: about five leases
             await asyncio.sleep(0.1)
             added.append(timers() - timers_before)
         peeks, calls, woken = rechecks.peeks, rechecks.peek_calls, rechecks.woken
-        release.set()
-        assert await asyncio.gather(*owned) == ["v"] * keys
-        assert await asyncio.gather(*followed) == ["v"] * keys
-    finally:
-        await owner.aclose()
-        await follower.aclose()
+        await held.end(followed)
     assert max(added) <= 3, added  # one timer per flight would be 300
     assert woken == 0
     assert keys * 3 <= peeks <= keys * 6, peeks  # about one a flight and lease
@@ -510,41 +541,17 @@ async def test_followed_flights_that_ended_leave_no_more_stale_rechecks_than_a_f
     """500 flights followed with a 30 s lease end at once: their re-checks' heap items,
     due a lease later, are left out once the stale ones outnumber the live ones, so a
     process whose flights end quickly does not keep each one (and its waiter) for a lease."""
-    owner = FlightCache(private_server.url, namespace=namespace, lease=30, near_cache=False)
-    follower = FlightCache(private_server.url, namespace=namespace, lease=30, near_cache=False)
-    release, all_run = asyncio.Event(), asyncio.Event()
-    keys, runs = 500, 0
-
-    async def load() -> str:
-        nonlocal runs
-        runs += 1
-        if runs == keys:
-            all_run.set()
-        await release.wait()
-        return "v"
-
-    async def never() -> str:
-        raise AssertionError("the owner is alive")
-
-    try:
-        await owner.get("warm-up")
-        await follower.get("warm-up")
-        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
-        await asyncio.wait_for(all_run.wait(), 10)
-        rechecks = _conn_of_flights(follower).follower.rechecks
-        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(keys)]
+    keys = 500
+    async with _held(private_server.url, namespace, keys, lease=30) as held:
+        rechecks = _conn_of_flights(held.follower).follower.rechecks
+        followed = held.follow()
         for _ in range(100):
             if len(rechecks) >= keys:
                 break
             await asyncio.sleep(0.05)
         assert len(rechecks) == keys  # one item a followed flight
-        release.set()
-        assert await asyncio.gather(*owned) == ["v"] * keys
-        assert await asyncio.gather(*followed) == ["v"] * keys
+        await held.end(followed)
         assert len(rechecks) <= min(rechecks.COMPACT_AT, keys // 4), len(rechecks)
-    finally:
-        await owner.aclose()
-        await follower.aclose()
 
 
 @pytest.mark.timeout(90)
@@ -616,30 +623,10 @@ async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_in
     together. Their follower's first re-checks come after the lease's end (never before:
     nothing is asked while the owner is known alive) and are spread over the re-check's
     window (a tenth of the lease here) instead of all in one instant."""
-    owner = FlightCache(private_server.url, namespace=namespace, lease=1.0, near_cache=False)
-    follower = FlightCache(private_server.url, namespace=namespace, lease=1.0, near_cache=False)
-    release, all_run, peeked = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    runs = 0
-
-    async def load() -> str:
-        nonlocal runs
-        runs += 1
-        if runs == 200:
-            all_run.set()
-        await release.wait()
-        return "v"
-
-    async def never() -> str:
-        raise AssertionError("the owner is alive")
-
-    try:
-        await owner.get("warm-up")
-        await follower.get("warm-up")
-        owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(200)]
-        await asyncio.wait_for(all_run.wait(), 10)
-        flights = _conn_of_flights(follower)
+    peeked = asyncio.Event()
+    async with _held(private_server.url, namespace, 200, lease=1.0) as held:
         peeks: list[float] = []
-        rechecks = flights.follower.rechecks
+        rechecks = _conn_of_flights(held.follower).follower.rechecks
         real_send = rechecks._send
 
         async def send(due: list[Any]) -> list[Any]:
@@ -650,15 +637,10 @@ async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_in
 
         rechecks._send = send
         joined = time.monotonic()
-        followed = [asyncio.ensure_future(follower.do(f"k{i}", never)) for i in range(200)]
+        followed = held.follow()
         await asyncio.wait_for(peeked.wait(), 5)
         first = sorted(peeks[:200])
-        release.set()
-        assert await asyncio.gather(*owned) == ["v"] * 200
-        assert await asyncio.gather(*followed) == ["v"] * 200
-    finally:
-        await owner.aclose()
-        await follower.aclose()
+        await held.end(followed)
     assert len(first) == 200
     assert first[0] - joined >= 0.3  # none before the lease it was told of ran out
     assert first[-1] - first[0] >= 0.04, first[-1] - first[0]  # spread over ~0.1 s
