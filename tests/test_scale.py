@@ -507,11 +507,11 @@ async def _held(url: str, namespace: str, keys: int, lease: float) -> AsyncItera
 async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_per_flight(
     private_server: EmbeddedServer, namespace: str
 ) -> None:
-    """300 flights followed for about five leases of a live owner (lease 0.4 s): their
-    re-checks are one heap and one timer (the loop holds a few timers more, not 300), each
-    flight is peeked about once a lease in calls of many flights, and no follower is woken
-    by a re-check (the claim still holds each time); when the owner ends, every follower
-    has its value."""
+    """300 flights followed for about three and a half leases of a live owner (lease 1 s:
+    shorter ones were lost to a loaded machine's stalls in CI): their re-checks are one heap
+    and one timer (the loop holds a few timers more, not 300), each flight is peeked about
+    once a lease in calls of many flights, and no follower is woken by a re-check (the claim
+    still holds each time); when the owner ends, every follower has its value."""
     keys = 300
     loop = asyncio.get_running_loop()
     scheduled: Any = loop._scheduled  # type: ignore[attr-defined]
@@ -519,19 +519,19 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
     def timers() -> int:
         return sum(not handle.cancelled() for handle in scheduled)
 
-    async with _held(private_server.url, namespace, keys, lease=0.4) as held:
+    async with _held(private_server.url, namespace, keys, lease=1.0) as held:
         rechecks = _conn_of_flights(held.follower).follower.rechecks
         timers_before = timers()
         followed = held.follow()
         added: list[int] = []
-        for _ in range(20):  # 2 s: about five leases
+        for _ in range(36):  # 3.6 s: three re-checks a flight, the first after the lease
             await asyncio.sleep(0.1)
             added.append(timers() - timers_before)
         peeks, calls, woken = rechecks.peeks, rechecks.peek_calls, rechecks.woken
         await held.end(followed)
     assert max(added) <= 3, added  # one timer per flight would be 300
     assert woken == 0
-    assert keys * 3 <= peeks <= keys * 6, peeks  # about one a flight and lease
+    assert keys * 2 <= peeks <= keys * 5, peeks  # about one a flight and lease
     assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
 
 
