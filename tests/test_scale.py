@@ -530,7 +530,7 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
         peeks, calls, woken = rechecks.peeks, rechecks.peek_calls, rechecks.woken
         await held.end(followed)
     assert max(added) <= 3, added  # one timer per flight would be 300
-    assert woken == 0
+    assert woken == 0, (woken, peeks)  # a -1 while the owner lives: a lease it lost
     assert keys * 2 <= peeks <= keys * 5, peeks  # about one a flight and lease
     assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
 

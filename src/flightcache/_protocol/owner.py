@@ -17,8 +17,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from redis.crc import key_slot
-
 from .._backends.convoy import Bulk, bulk
 from .._backends.lane import SyncLane
 from .._backends.redis import RedisConnection
@@ -37,7 +35,7 @@ from .context import FlightContext
 from .heartbeat import Lease, Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
-from .pipelined import Together
+from .pipelined import Together, script_batches
 from .state import LUA, Lost
 
 T = TypeVar("T")
@@ -146,14 +144,9 @@ class Owner:
         """The ``renew_leases`` calls for ``leases``: on one server, scripts of up to
         ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
         slots), which a cluster pipeline sends one round trip per node."""
-        groups: dict[int, list[Lease]] = {}
-        if cluster:
-            for lease in leases:
-                groups.setdefault(key_slot(lease.args[0].meta.encode()), []).append(lease)
-            batches = list(groups.values())
-        else:
-            size = self.tuning.renew_batch
-            batches = [list(leases[i : i + size]) for i in range(0, len(leases), size)]
+        batches = script_batches(
+            leases, lambda lease: lease.args[0].meta, cluster, self.tuning.renew_batch
+        )
         calls: list[tuple[list[Any], list[Any]]] = []
         for batch in batches:
             keys: list[Any] = []

@@ -9,16 +9,32 @@ the server answered for that call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from redis import exceptions as rexc
+from redis.crc import key_slot
 
 from .._backends.redis import RedisConnection
 from .._backends.scripts import Script
 from .._errors import BackendUnavailable, FlightError
 
 Call = tuple[Sequence[str], Sequence[Any]]  # keys, args
+T = TypeVar("T")
+
+
+def script_batches(
+    items: Sequence[T], key: Callable[[T], str], cluster: bool, size: int
+) -> list[list[T]]:
+    """``items`` cut into the batches of one many-key script call each: on a Cluster, one
+    per slot of ``key(item)`` (a script cannot span slots); on one server, slices of up to
+    ``size``, in order."""
+    if cluster:
+        slots: dict[int, list[T]] = {}
+        for item in items:
+            slots.setdefault(key_slot(key(item).encode()), []).append(item)
+        return list(slots.values())
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
 async def script_calls(conn: RedisConnection, lua: Script, calls: Sequence[Call]) -> list[Any]:

@@ -30,11 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.crc import key_slot
-
 from .._backends.redis import RedisConnection
 from .._keys import FlightKeys
-from .pipelined import script_calls
+from .pipelined import script_batches, script_calls
 from .state import LUA
 from .wakeup import Waiter
 
@@ -219,15 +217,8 @@ class Rechecks:
         failed its call. ``peek_flight`` calls of up to ``PEEK_CALL`` flights (one slot a
         call on a Cluster), all in one round trip (one per node of a Cluster)."""
         self.peeks += len(due)
-        groups: list[list[Recheck]]
-        if self._conn.cluster is not None:
-            slots: dict[int, list[Recheck]] = {}
-            for entry in due:
-                slots.setdefault(key_slot(entry.fk.meta.encode()), []).append(entry)
-            groups = list(slots.values())
-        else:
-            size = self.PEEK_CALL
-            groups = [due[i : i + size] for i in range(0, len(due), size)]
+        cluster = self._conn.cluster is not None
+        groups = script_batches(due, lambda entry: entry.fk.meta, cluster, self.PEEK_CALL)
         calls = [([e.fk.meta for e in group], [e.claim for e in group]) for group in groups]
         replies = await script_calls(self._conn, LUA["peek_flight"], calls)
         self.peek_calls += len(calls)
