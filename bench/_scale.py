@@ -8,7 +8,9 @@ in flight at once (docs/protocol.md, "Waiting, claiming and renewing at scale").
   in the client names, sampled every 0.1 s) and its wake lag: the follower's return minus
   the owner's loader end for the same key, both on ``time.monotonic()`` (CLOCK_MONOTONIC,
   one clock for every process on a Linux machine; the end rides in the value). Baseline,
-  same processes and run: ``single_rounds`` rounds of one key each.
+  same processes and run: ``single_rounds`` rounds of one key each. Three times: the ends
+  spread over ``spread_s``; over ``loader_s`` (``keys / loader_s`` ends a second: what
+  ``keys`` flights in flight sustain, the steady state); each wave's ends in one instant.
 - Renewals: while the owner's loaders all run and nothing else happens (before the follower
   starts), ``INFO commandstats`` over ``window_s``: the owner's ``EVALSHA`` calls a second,
   next to one renewal script per flight per lease/3.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import math
 import time
 import uuid
@@ -71,6 +74,7 @@ from ._util import CONTROL_COMMANDS, SETUP_COMMANDS, command_calls, delta, media
 
 LEASE_S = 3.0
 SINGLE_LOADER_S = 0.3  # the single-key baseline's loader
+_PHASES = itertools.count()  # each many-keys phase its own keys
 BURST_LOADER_S = 5.0  # the owner burst's loader
 TTL_S = 600
 BLOCKING = frozenset({"xread", "xreadgroup", "blpop", "brpop", "blmove", "bzpopmin", "wait"})
@@ -246,7 +250,7 @@ async def _many_keys(
     wave: int,
     spread_s: float,
 ) -> dict[str, Any]:
-    prefix = f"many:{run_id}:{spread_s:g}"
+    prefix = f"many:{run_id}:{next(_PHASES)}"
     memory_before = await _used_memory(ctl)
     order = {
         "op": "own",
@@ -417,10 +421,12 @@ async def run_flights(
     spread_s: float = 10.0,
     burst_bound_s: float = 20.0,
 ) -> dict[str, Any]:
-    """The many-keys phase twice: the loaders' ends spread over ``spread_s`` (as distinct
-    LLM calls end), then every wave of ``wave`` loaders ending in the same instant (the
-    worst case: the owner completes a wave at once), with its baseline (a wave of ``wave``
-    events done with plain redis-py by the same processes); then the owner burst."""
+    """The many-keys phase three times: the loaders' ends spread over ``spread_s`` (as
+    distinct LLM calls end), then over ``loader_s`` (the ends per second that ``keys``
+    flights in flight sustain with loaders of ``loader_s``: the steady state), then every
+    wave of ``wave`` loaders ending in the same instant (the worst case: the owner completes
+    a wave at once), with its baseline (a wave of ``wave`` events done with plain redis-py
+    by the same processes); then the owner burst."""
     run_id = uuid.uuid4().hex[:8]
     namespace = f"bench-scale-{run_id}"
     ctl = aioredis.Redis.from_url(url)
@@ -429,7 +435,7 @@ async def run_flights(
         async with _orders.started(2, url, *args, module="bench._scale_worker") as workers:
             owner, follower = workers
             single = await _single_key(ctl, owner, follower, run_id, single_rounds)
-            many, together = [
+            many, steady, together = [
                 await _many_keys(
                     ctl,
                     owner,
@@ -442,14 +448,14 @@ async def run_flights(
                     wave=wave,
                     spread_s=spread,
                 )
-                for spread in (spread_s, 0.0)
+                for spread in (spread_s, loader_s, 0.0)
             ]
             plain = await _plain_together(owner, follower, run_id, wave, rounds=3)
     finally:
         await ctl.aclose()
     burst = await _burst(url, namespace, run_id, keys, burst_bound_s)
     base = single["wake_lag_ms"]
-    for phase in (many, together):
+    for phase in (many, steady, together):
         phase["wake_lag_ratio"] = {q: phase["wake_lag_ms"][q] / base[q] for q in ("p50", "p99")}
     plain_lag = plain["wake_lag_ms"]
     together["plain"] = plain
@@ -457,6 +463,7 @@ async def run_flights(
     return {
         "single_key": single,
         "many_keys": many,
+        "many_keys_steady": steady,
         "many_keys_ending_together": together,
         "owner_burst": burst,
     }

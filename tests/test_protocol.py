@@ -9,8 +9,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from flightcache import BackendUnavailable, ConfigError
+from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
-from flightcache._protocol.heartbeat import Heartbeat
+from flightcache._protocol.heartbeat import Heartbeat, Renewer
 
 
 async def test_scripts_are_reloaded_after_the_server_forgets_them(
@@ -186,3 +187,116 @@ async def test_heartbeat_retries_any_flight_error_until_the_lease_is_unproven() 
     await hb.stop()
     assert not hb.lost
     assert len(calls) >= 3  # the failure was retried, and renewals went on
+
+
+async def test_a_short_renewal_extends_the_lease_only_and_a_full_one_the_stream_and_waiters(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    fc = make_cache()
+    fk = fc.keyspace.flight("q")
+    await redis_client.hset(fk.meta, mapping={"ownerToken": "7", "status": "RUNNING"})
+    await redis_client.xadd(fk.stream, {"t": "claimed"})
+    await redis_client.rpush(fk.waiters, "node")
+    for key in (fk.stream, fk.waiters):
+        await redis_client.pexpire(key, 60_000)
+    keys = (fk.meta, fk.stream, fk.waiters)
+
+    async def ttls() -> list[int]:
+        return [await redis_client.pttl(key) for key in keys]
+
+    assert await fc._conn.script(LUA["renew_leases"], fk, keys, (7, 5000, 0, "")) == [1]
+    meta, stream, waiters = await ttls()
+    assert 4000 < meta <= 5000
+    assert 50_000 < stream <= 60_000 and 50_000 < waiters <= 60_000  # untouched
+    assert await fc._conn.script(LUA["renew_leases"], fk, keys, (7, 5000, 20_000, "")) == [1]
+    meta, stream, waiters = await ttls()
+    assert 4000 < meta <= 5000
+    assert 19_000 < stream <= 20_000 and 19_000 < waiters <= 20_000
+    # A stale token extends nothing, short or full.
+    assert await fc._conn.script(LUA["renew_leases"], fk, keys, (6, 90_000, 90_000, "")) == [0]
+    assert max(await ttls()) <= 20_000
+
+
+async def test_renewals_are_full_at_least_every_few_sends_counting_the_unanswered() -> None:
+    """``full_every=2``: at most two short renewals sent since the last full one answered;
+    a full one that failed is sent full again, a short one that failed still counts."""
+    sent: list[bool] = []
+    failing = {2, 6}  # the 3rd send (a short one) and the 7th (a full one) fail
+
+    async def renew(batch: Any) -> list[bool]:
+        sent.append(batch[0].take_full())
+        if len(sent) - 1 in failing:
+            raise BackendUnavailable("down")
+        return [True]
+
+    renewer = Renewer(renew)
+    work = asyncio.ensure_future(asyncio.sleep(60))
+    lease = renewer.add(work, lease_s=0.3, digest="d", full_every=2)
+    try:
+        for _ in range(500):
+            if len(sent) >= 9:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        work.cancel()
+        await renewer.aclose()
+    assert not lease.lost
+    # full, short, short (fails, counted), full, short, short, full (fails), full, short
+    assert sent[:9] == [True, False, False, True, False, False, True, True, False]
+
+
+async def test_with_short_renewals_the_stream_and_waiters_outlive_the_lease_all_flight_long(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """A 0.3 s lease with a 0.6 s linger: a full renewal every other one (short_renewals).
+    Sampled every 10 ms (MULTI) for 3 s of a followed flight (waiters exist): the stream's
+    and waiters' PTTL never fall below the lease's, and the server ran fewer PEXPIREs than
+    full renewals cost (three each)."""
+    tuning = Tuning(stream_linger_ms=600)
+    owner = make_cache(lease=0.3, tuning=tuning, near_cache=False)
+    follower = make_cache(lease=0.3, tuning=tuning, near_cache=False)
+    fk = owner.keyspace.flight("q")
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def loader() -> str:
+        started.set()
+        await release.wait()
+        return "v"
+
+    async def follower_loader() -> str:
+        return "the follower's loader ran"
+
+    async def pexpires() -> int:
+        stats = await redis_client.info("commandstats")
+        return int(stats.get("cmdstat_pexpire", {}).get("calls", 0))
+
+    own = asyncio.ensure_future(owner.do("q", loader))
+    await asyncio.wait_for(started.wait(), 5)
+    follow = asyncio.ensure_future(follower.do("q", follower_loader))
+    try:
+        for _ in range(500):
+            if await redis_client.exists(fk.waiters):
+                break
+            await asyncio.sleep(0.01)
+        lease = next(iter(owner._flights.renewer._leases.values()))  # type: ignore[union-attr]
+        renewals, before = lease.renewals, await pexpires()
+        samples: list[tuple[int, int, int]] = []
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 3.0
+        while loop.time() < until:
+            async with redis_client.pipeline(transaction=True) as pipe:
+                meta, stream, waiters = (
+                    await pipe.pttl(fk.meta).pttl(fk.stream).pttl(fk.waiters).execute()
+                )
+            samples.append((meta, stream, waiters))
+            await asyncio.sleep(0.01)
+        renewals, sent = lease.renewals - renewals, await pexpires() - before
+    finally:
+        release.set()
+        results = await asyncio.gather(own, follow, return_exceptions=True)
+    assert results == ["v", "v"]
+    assert owner.stats["lease_lost"] == 0
+    worst = min(samples, key=lambda s: min(s[1], s[2]) - s[0])
+    assert all(0 < meta <= min(stream, waiters) for meta, stream, waiters in samples), worst
+    assert renewals >= 15  # every 0.1 s for 3 s (a loaded machine is late)
+    assert sent <= 2.2 * renewals  # 2 a renewal, half of them short; 3 if all were full

@@ -50,6 +50,8 @@ class Lease:
         "_work",
         "args",
         "digest",
+        "full",
+        "full_every",
         "interval_s",
         "lease_s",
         "lost",
@@ -59,10 +61,17 @@ class Lease:
         "proven_until",
         "reason",
         "renewals",
+        "since_full",
     )
 
     def __init__(
-        self, work: asyncio.Future[Any], lease_s: float, digest: str, granted_at: float, args: Any
+        self,
+        work: asyncio.Future[Any],
+        lease_s: float,
+        digest: str,
+        granted_at: float,
+        args: Any,
+        full_every: int = 0,
     ) -> None:
         self._work = work
         self.lease_s = lease_s
@@ -78,6 +87,21 @@ class Lease:
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
         self.packed: Any = None  # the batch function's, made once (its keys and args in RESP)
+        # Renewals are full (the flight's other keys too, not only its lease) at least every
+        # `full_every` + 1 sends: see take_full. The first is full.
+        self.full_every = full_every
+        self.since_full = full_every
+        self.full = True
+
+    def take_full(self) -> bool:
+        """Whether the renewal being sent now is full, told by the batch function as it
+        builds it: a short one follows at most ``full_every`` short ones sent since the last
+        full one was answered (a short one sent and not answered counts: it may have run;
+        a full one not answered does not end the count: the next is full again)."""
+        self.full = self.since_full >= self.full_every
+        if not self.full:
+            self.since_full += 1
+        return self.full
 
     def give_up(self, reason: str) -> None:
         """On the loader's loop: the lease is lost, its loader is cancelled."""
@@ -111,13 +135,14 @@ class _Book:
         granted_at: float | None = None,
         args: Any = None,
         tied: bool = True,
+        full_every: int = 0,
     ) -> Lease:
         """Renew a lease of ``lease_s`` (granted at ``granted_at``) while ``work`` runs, and
         cancel ``work`` when it is lost; ``args``: what the batch function needs. With
-        ``tied``, the lease is removed when ``work`` ends; without, the caller removes it."""
-        lease = Lease(
-            work, lease_s, digest, self._clock() if granted_at is None else granted_at, args
-        )
+        ``tied``, the lease is removed when ``work`` ends; without, the caller removes it.
+        ``full_every``: short renewals allowed between full ones (``Lease.take_full``)."""
+        granted_at = self._clock() if granted_at is None else granted_at
+        lease = Lease(work, lease_s, digest, granted_at, args, full_every)
         if tied:
             work.add_done_callback(lambda _f: self.remove(lease))
         self._register(lease)
@@ -193,6 +218,8 @@ class _Book:
                 self._give_up(lease, "another owner holds the flight, or the lease lapsed")
                 continue
             lease.renewals += 1
+            if lease.full:
+                lease.since_full = 0
             lease.proven_until = sent + lease.lease_s
             lease.next_due = sent + lease.interval_s
 

@@ -43,6 +43,16 @@ T = TypeVar("T")
 log = logging.getLogger("flightcache.claim")
 
 
+def short_renewals(lease_ms: int, stream_ttl_ms: int) -> int:
+    """How many short renewals (the lease only) may follow a full one (the lease, and the
+    stream and waiters to ``stream_ttl_ms``): each renewal that finds the lease held runs
+    within one lease of the last, so after a full one at ``t`` the lease ends before
+    ``t + (n + 1) * lease``, and the stream and waiters outlive it while that is at most
+    their ``t + stream_ttl``; one lease is kept as a margin (docs/protocol.md, "Batched
+    renewals"). The defaults (3 s, 13 s): 2, so two renewals in three are short."""
+    return max(stream_ttl_ms // lease_ms - 2, 0)
+
+
 class Undelivered(BackendUnavailable):
     """The loader's value is in hand but the server would not take it for a whole failover
     window: this process's callers may still have it (fail-open); nobody else will."""
@@ -155,7 +165,7 @@ class Owner:
                 for lease in batch:
                     fk, token, lease_ms, stream_ttl, claim = lease.args
                     keys += (fk.meta, fk.stream, fk.waiters)
-                    args += (token, lease_ms, stream_ttl, claim)
+                    args += (token, lease_ms, stream_ttl if lease.take_full() else 0, claim)
                 calls.append((keys, args))
                 continue
             # Packed once per lease, not once per renewal: ten thousand leases are ten
@@ -167,9 +177,10 @@ class Owner:
                     packed = lease.packed = (
                         bulk(fk.meta, fk.stream, fk.waiters),
                         bulk(token, lease_ms, stream_ttl, claim),
+                        bulk(token, lease_ms, 0, claim),  # a short renewal: the lease only
                     )
                 keys += packed[0]
-                args += packed[1]
+                args += packed[1] if lease.take_full() else packed[2]
             calls.append((Bulk(keys), Bulk(args)))
         return batches, calls
 
@@ -252,6 +263,7 @@ class Owner:
             granted_at=granted_at,
             args=(fk, token, opts.lease_ms, stream_ttl, claim),
             tied=False,  # every way out of the wait below removes it
+            full_every=short_renewals(opts.lease_ms, stream_ttl),
         )
         context.track(heartbeat)
         try:
