@@ -268,6 +268,60 @@ async def test_an_owner_of_1000_flights_renews_them_in_a_few_commands_a_tick(
     assert 0 < renewals <= 5 * (ticks + 3), (renewals, ticks)
 
 
+async def test_a_renewal_batch_that_finds_some_tokens_replaced_cancels_exactly_those_loaders(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """50 owned flights, claimed together, renewed in one batch every 0.5 s (lease 1.5 s).
+    Another owner's token is written into 5 of them: the next batch answers 0 for exactly
+    those, so exactly their 5 loaders are cancelled; once the other owner's lease lapses
+    they are claimed again. The other 45 loaders run on to their end, their leases kept."""
+    admin = aioredis.Redis.from_url(private_server.url)
+    fc = FlightCache(private_server.url, namespace=namespace, lease=1.5, near_cache=False)
+    stolen = set(range(5))
+    started = [asyncio.Event() for _ in range(50)]
+    release = asyncio.Event()
+    cancelled: set[int] = set()
+    runs = [0] * 50
+
+    async def loader(i: int) -> str:
+        runs[i] += 1
+        if runs[i] > 1:
+            return f"again {i}"
+        started[i].set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.add(i)
+            raise
+        return f"v{i}"
+
+    tasks = [asyncio.ensure_future(fc.do(f"k{i}", functools.partial(loader, i))) for i in range(50)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 10)
+        for i in stolen:
+            meta = fc.keyspace.flight(f"k{i}").meta
+            await admin.hset(meta, "ownerToken", "999999999")  # another owner took it...
+            await admin.pexpire(meta, 1500)  # ...and will not renew it
+        for _ in range(300):  # the next renewal batch, within one interval (0.5 s)
+            if len(cancelled) >= len(stolen):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)  # two more batches: nobody else is cancelled
+        assert cancelled == stolen
+        release.set()
+        values = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+    finally:
+        release.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await fc.aclose()
+        await admin.aclose()
+    assert values == [f"again {i}" if i in stolen else f"v{i}" for i in range(50)]
+    assert fc.stats["lease_lost"] == len(stolen)
+    assert runs == [2 if i in stolen else 1 for i in range(50)]
+
+
 @pytest.mark.timeout(60)
 async def test_an_idle_node_costs_the_server_at_most_one_command_a_second(
     private_server: EmbeddedServer, namespace: str
