@@ -683,29 +683,26 @@ def print_scale(k: dict[str, Any]) -> None:
         f"     ratio to the one-key baseline: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x; followers "
         f"back more than 1 s after the owner's callers: {m['follower_after_owner_over_1s']}"
     )
-    sd = k["many_keys_steady"]
-    print(
-        f"   the same with the ends spread over {sd['spread_s']:g} s, the loader's length "
-        f"({sd['keys'] / sd['spread_s']:.0f} ends/s, what {sd['keys']} flights in flight "
-        f"sustain): right {sd['right']}/{sd['keys']}, errors {sd['error_count']}, follower "
-        f"connections peak {sd['follower_connections']['peak']}"
-    )
-    _lag_rows(
-        ("  follower's return - loader end", sd["wake_lag_ms"]),
-        ("  owner's own callers' return - loader end", sd["owner_return_lag_ms"]),
-        ("the one-key baseline", sd["wake_lag_ratio"], 1),
-    )
-    t = k["many_keys_ending_together"]
-    print(
-        f"   the same with each wave's {t['wave']} loaders ending in one instant: right "
-        f"{t['right']}/{t['keys']}, errors {t['error_count']}, follower connections peak "
-        f"{t['follower_connections']['peak']}"
-    )
-    _lag_rows(
-        ("  follower's return - loader end", t["wake_lag_ms"]),
-        ("  owner's own callers' return - loader end", t["owner_return_lag_ms"]),
-        ("the one-key baseline", t["wake_lag_ratio"], 1),
-    )
+    sd, t = k["many_keys_steady"], k["many_keys_ending_together"]
+    for phase, how in (
+        (
+            sd,
+            f"the ends spread over {sd['spread_s']:g} s, the loader's length ("
+            f"{sd['keys'] / sd['spread_s']:.0f} ends/s, what {sd['keys']} flights in flight "
+            "sustain)",
+        ),
+        (t, f"each wave's {t['wave']} loaders ending in one instant"),
+    ):
+        print(
+            f"   the same with {how}: right {phase['right']}/{phase['keys']}, errors "
+            f"{phase['error_count']}, follower connections peak "
+            f"{phase['follower_connections']['peak']}"
+        )
+        _lag_rows(
+            ("  follower's return - loader end", phase["wake_lag_ms"]),
+            ("  owner's own callers' return - loader end", phase["owner_return_lag_ms"]),
+            ("the one-key baseline", phase["wake_lag_ratio"], 1),
+        )
     fl = t["plain"]
     print(
         f"     baseline, the same processes with plain redis-py: {fl['keys']} SET+PUBLISH in one "
