@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
+import operator
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from .._errors import FlightError
 
 log = logging.getLogger("flightcache.heartbeat")
+T = TypeVar("T")
 
 RETRY_FRACTION = 1.0  # after a failed batch, retry one interval later (as a lone heartbeat did)
 PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flights
@@ -160,14 +163,21 @@ class _Book:
         self._leases.pop(id(lease), None)
         lease.give_up(reason)
 
-    def _due(self, now: float) -> list[Lease]:
-        """Every lease due by ``now`` (a busy process may be late: all the late ones go in
+    def _due(self, now: float, leases: list[Lease] | None = None) -> list[Lease]:
+        """Every lease (of ``leases``, a copy of the book's taken under its lock; default:
+        the book's) due by ``now`` (a busy process may be late: all the late ones go in
         this batch) and those due within half their interval."""
-        return [
-            lease
-            for lease in list(self._leases.values())
-            if lease.next_due - now <= lease.interval_s / 2
-        ]
+        due: list[Lease] = []
+        for part in self._parts(list(self._leases.values()) if leases is None else leases):
+            due += [lease for lease in part if lease.next_due - now <= lease.interval_s / 2]
+        return due
+
+    def _parts(self, seq: Sequence[T]) -> Iterator[Sequence[T]]:
+        """``seq`` in slices of ``BREATHE_EVERY``, with a breath between two."""
+        for i in range(0, len(seq), BREATHE_EVERY):
+            if i:
+                self.breathe()
+            yield seq[i : i + BREATHE_EVERY]
 
     def _lapse(self, batch: Sequence[Lease], reason: str) -> list[Lease]:
         """Give up every lease of ``batch`` whose proof ran out; the ones left."""
@@ -205,24 +215,30 @@ class _Book:
             log.info("flight %s: renewal failed, retrying: %r", lease.digest, exc)
             lease.next_due = self._clock() + lease.interval_s * RETRY_FRACTION
 
-    def _breathe(self) -> None:
+    def breathe(self) -> None:
         """A pause in a long batch's bookkeeping (the thread's lets the loop run)."""
 
     def _settle(self, batch: Sequence[Lease], answers: Sequence[bool], sent: float) -> None:
-        for n, (lease, ok) in enumerate(zip(batch, answers, strict=True)):
-            if n % BREATHE_EVERY == BREATHE_EVERY - 1:
-                self._breathe()
-            if id(lease) not in self._leases:
-                continue  # its loader ended, or it was given up, while the batch was out
-            if not ok:
-                self._give_up(lease, "another owner holds the flight, or the lease lapsed")
-                continue
-            lease.renewals += 1
-            if lease.full:
-                lease.since_full = 0
-            lease.proven_until = sent + lease.lease_s
-            lease.next_due = sent + lease.interval_s
+        if len(answers) != len(batch):
+            raise ValueError(f"{len(answers)} answers for {len(batch)} renewals")
+        leases = self._leases
+        for start, part in zip(itertools.count(0, BREATHE_EVERY), self._parts(batch)):
+            for lease, ok in zip(part, answers[start : start + BREATHE_EVERY], strict=True):
+                if id(lease) not in leases:
+                    continue  # its loader ended, or it was given up, while the batch was out
+                if not ok:
+                    self._give_up(lease, "another owner holds the flight, or the lease lapsed")
+                    continue
+                lease.renewals += 1
+                if lease.full:
+                    lease.since_full = 0
+                lease.proven_until = sent + lease.lease_s
+                lease.next_due = sent + lease.interval_s
 
+
+_NEXT_DUE = operator.attrgetter("next_due")
+_PROVEN_UNTIL = operator.attrgetter("proven_until")
+_LEASE_S = operator.attrgetter("lease_s")
 
 RenewBatch = Callable[[Sequence[Lease]], Awaitable[Sequence[bool]]]
 
@@ -252,7 +268,7 @@ class Renewer(_Book):
     async def _run(self) -> None:
         while self._leases:
             now = self._clock()
-            due = min(lease.next_due for lease in self._leases.values())
+            due = min(map(_NEXT_DUE, self._leases.values()))
             if due > now:
                 self._changed.clear()
                 try:  # a new lease may be due sooner: look again when one arrives
@@ -268,7 +284,7 @@ class Renewer(_Book):
         self.batches += 1
         sent = self._clock()
         reply = asyncio.ensure_future(self._renew(batch))
-        waiting = sorted(batch, key=lambda lease: lease.proven_until)
+        waiting = sorted(batch, key=_PROVEN_UNTIL)
         try:
             while True:
                 waiting, limit = self._waiting(waiting)
@@ -336,7 +352,7 @@ class ThreadRenewer(_Book):
         if self._leases:
             self._pulse = asyncio.get_running_loop().call_later(PULSE_S, self._beats)
 
-    def _breathe(self) -> None:
+    def breathe(self) -> None:
         time.sleep(0)  # the GIL to the loop's thread, if it waits for it
 
     def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
@@ -363,7 +379,8 @@ class ThreadRenewer(_Book):
                     if self._closing:
                         return
                     now = self._clock()
-                    due = min((lease.next_due for lease in self._leases.values()), default=None)
+                    leases = list(self._leases.values())  # (filtered out of the lock)
+                    due = min(map(_NEXT_DUE, leases), default=None)
                     if due is None:
                         self._wake_at = math.inf
                         self._lock.wait()  # no flight owned: until one is
@@ -373,8 +390,8 @@ class ThreadRenewer(_Book):
                     else:
                         self._wake_at = -math.inf  # busy: it looks again before it sleeps
                         break
-                batch = self._due(max(now, due))
-            batch = self._hold_if_stalled(batch)
+            # A lease removed meanwhile may still be renewed once: harmless (remove()).
+            batch = self._hold_if_stalled(self._due(max(now, due), leases))
             if batch:
                 self._renew_batch(batch)
 
@@ -383,6 +400,8 @@ class ThreadRenewer(_Book):
         ``STALL_FRACTION`` of its lease (they lapse, and are given up once their proof runs
         out: a stopped loop keeps no flight from a takeover)."""
         stalled = self._clock() - self._pulsed
+        if not batch or stalled <= min(map(_LEASE_S, batch)) * STALL_FRACTION:
+            return batch  # (the loop ran lately: no lease is held, nothing to look at)
         held = [lease for lease in batch if stalled > lease.lease_s * STALL_FRACTION]
         if not held:
             return batch
@@ -393,7 +412,7 @@ class ThreadRenewer(_Book):
     def _renew_batch(self, batch: list[Lease]) -> None:
         self.batches += 1
         sent = self._clock()
-        waiting = sorted(batch, key=lambda lease: lease.proven_until)
+        waiting = sorted(batch, key=_PROVEN_UNTIL)
 
         def patience() -> float | None:
             nonlocal waiting

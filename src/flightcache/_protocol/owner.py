@@ -11,6 +11,7 @@ about it reaches followers as a ``RemoteError`` or is negative-cached.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -32,7 +33,7 @@ from .._errors import (
 from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .context import FlightContext
-from .heartbeat import Lease, Renewer, ThreadRenewer
+from .heartbeat import BREATHE_EVERY, Lease, Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together, script_batches
@@ -41,6 +42,7 @@ from .state import LUA, Lost
 T = TypeVar("T")
 
 log = logging.getLogger("flightcache.claim")
+_ZERO = bulk(0)[0]
 
 
 def short_renewals(lease_ms: int, stream_ttl_ms: int) -> int:
@@ -149,16 +151,23 @@ class Owner:
     # -- renewals ------------------------------------------------------------------------
 
     def _renew_calls(
-        self, leases: Sequence[Lease], cluster: bool
+        self, leases: Sequence[Lease], cluster: bool, breathe: Callable[[], None] | None = None
     ) -> tuple[list[list[Lease]], list[tuple[list[Any], list[Any]]]]:
         """The ``renew_leases`` calls for ``leases``: on one server, scripts of up to
         ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
-        slots), which a cluster pipeline sends one round trip per node."""
+        slots), which a cluster pipeline sends one round trip per node. ``breathe`` is
+        called every ``BREATHE_EVERY`` leases or so (the renewals' thread lets the loop's
+        thread have the GIL)."""
         batches = script_batches(
             leases, lambda lease: lease.args[0].meta, cluster, self.tuning.renew_batch
         )
         calls: list[tuple[list[Any], list[Any]]] = []
+        packed_since = 0
         for batch in batches:
+            packed_since += len(batch)
+            if breathe is not None and packed_since >= BREATHE_EVERY:
+                packed_since = 0
+                breathe()
             keys: list[Any] = []
             args: list[Any] = []
             if cluster:  # (redis-py's cluster pipeline packs them)
@@ -174,11 +183,10 @@ class Owner:
                 packed = lease.packed
                 if packed is None:
                     fk, token, lease_ms, stream_ttl, claim = lease.args
-                    packed = lease.packed = (
-                        bulk(fk.meta, fk.stream, fk.waiters),
-                        bulk(token, lease_ms, stream_ttl, claim),
-                        bulk(token, lease_ms, 0, claim),  # a short renewal: the lease only
-                    )
+                    full = bulk(token, lease_ms, stream_ttl, claim)
+                    short = [*full]
+                    short[2] = _ZERO  # a short renewal: the lease only
+                    packed = lease.packed = (bulk(fk.meta, fk.stream, fk.waiters), full, short)
                 keys += packed[0]
                 # (Lease.take_full, inlined: a method call a lease is 2 ms of GIL a tick)
                 if lease.since_full >= lease.full_every:
@@ -210,13 +218,13 @@ class Owner:
         lane = self._lane
         if lane is None:
             lane = self._lane = self.conn.sync_lane("renew")
-        _, calls = self._renew_calls(leases, False)
+        _, calls = self._renew_calls(leases, False, self.renewer.breathe)
         replies = lane.calls(LUA["renew_leases"], calls, patience)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
         # (one server: the batches are the leases' slices, in order)
-        return [bool(int(ok)) for reply in replies for ok in reply]
+        return list(map(bool, map(int, itertools.chain.from_iterable(replies))))
 
     async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
         """One pipeline renewing every lease given, on the reserved lane."""
