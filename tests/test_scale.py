@@ -563,9 +563,10 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
 ) -> None:
     """300 flights followed for about three and a half leases of a live owner (lease 1 s:
     shorter ones were lost to a loaded machine's stalls in CI): their re-checks are one heap
-    and one timer (the loop holds a few timers more, not 300), each flight is peeked about
-    once a lease in calls of many flights, and no follower is woken by a re-check (the claim
-    still holds each time); when the owner ends, every follower has its value."""
+    and one timer (once every flight has joined, the loop holds a few timers more, not 300;
+    while the joins are out their writes hold timeouts of their own), each flight is peeked
+    about once a lease in calls of many flights, and no follower is woken by a re-check (the
+    claim still holds each time); when the owner ends, every follower has its value."""
     keys = 300
     loop = asyncio.get_running_loop()
     scheduled: Any = loop._scheduled  # type: ignore[attr-defined]
@@ -577,13 +578,17 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
         rechecks = _conn_of_flights(held.follower).follower.rechecks
         timers_before = timers()
         followed = held.follow()
+        for _ in range(500):
+            if held.follower.stats["follows"] >= keys:
+                break
+            await asyncio.sleep(0.01)
         added: list[int] = []
         for _ in range(36):  # 3.6 s: three re-checks a flight, the first after the lease
             await asyncio.sleep(0.1)
             added.append(timers() - timers_before)
         peeks, calls, woken = rechecks.peeks, rechecks.peek_calls, rechecks.woken
         await held.end(followed)
-    assert max(added) <= 3, added  # one timer per flight would be 300
+    assert max(added) <= 5, added  # one timer per flight would be 300
     assert woken == 0, (woken, peeks)  # a -1 while the owner lives: a lease it lost
     assert keys * 2 <= peeks <= keys * 5, peeks  # about one a flight and lease
     assert calls <= peeks / 5, (calls, peeks)  # many flights a script call
