@@ -120,7 +120,7 @@ async def test_a_whole_cluster_down_fails_open_too(namespace: str) -> None:
     cluster = EmbeddedCluster(masters=3, replicas=0).start()
     url = cluster.url
     cluster.stop()  # every node gone before the cache ever connects
-    fc = FlightCache(url, namespace=namespace, socket_timeout=0.5)
+    fc = FlightCache(url, namespace=namespace, socket_timeout=0.5, tuning=Tuning(failover_s=0.5))
 
     async def loader() -> str:
         return "local"

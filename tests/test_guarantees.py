@@ -36,6 +36,7 @@ from flightcache import (
     RemoteError,
     SerializationError,
     StreamRestarted,
+    Tuning,
 )
 from flightcache._backends.embedded import free_port, server_binary
 
@@ -496,11 +497,17 @@ async def test_refresh_ahead_never_runs_for_a_store_false_call(
 
 # -- fail-open ----------------------------------------------------------------------------------
 
+# A call retries an unreachable server for failover_s before it fails open (10 s by default,
+# which test_failopen.py's first test keeps); these tests are about what comes after.
+QUICK_FAILOVER = Tuning(failover_s=0.5)
+
 
 async def test_what_fail_open_keeps_lives_no_longer_than_near_lease(make_cache: Any) -> None:
     """During an outage values (and errors) are kept in this process for their TTL but never
     longer than near_lease, since no invalidation can reach them."""
-    fc = make_cache(f"redis://127.0.0.1:{free_port()}/0", near_lease=1.5, error_ttl=60)
+    fc = make_cache(
+        f"redis://127.0.0.1:{free_port()}/0", near_lease=1.5, error_ttl=60, tuning=QUICK_FAILOVER
+    )
     runs: list[int] = []
 
     async def loader() -> int:
@@ -531,7 +538,12 @@ async def test_concurrent_failures_do_not_lengthen_the_breakers_pause(make_cache
     first pause (0.5 s) and the other nineteen failures, which belong to the same outage
     window, do not double it again and again (to 5 s): a call after the pause tries the
     server again. Server attempts are counted in stats["commands"]."""
-    fc = make_cache(f"redis://127.0.0.1:{free_port()}/0", near_cache=False, node_ttl=300.0)
+    fc = make_cache(
+        f"redis://127.0.0.1:{free_port()}/0",
+        near_cache=False,
+        node_ttl=300.0,
+        tuning=QUICK_FAILOVER,
+    )
 
     async def loader() -> str:
         return "local"
@@ -552,7 +564,7 @@ async def test_a_bloom_filter_out_of_reach_admits_under_fail_open(make_cache: An
     """admit= never turns an outage into NOT_FOUND: a filter that cannot be read admits,
     and the loader decides. With fail_open=False the outage is raised."""
     url = f"redis://127.0.0.1:{free_port()}/0"
-    fc = make_cache(url)
+    fc = make_cache(url, tuning=QUICK_FAILOVER)
 
     async def loader() -> str:
         return "exists"
@@ -560,7 +572,7 @@ async def test_a_bloom_filter_out_of_reach_admits_under_fail_open(make_cache: An
     bloom = BloomFilter(fc, "seen", capacity=100, error_rate=0.01)
     assert await fc.do("k", loader, admit=bloom) == "exists"
     assert fc.stats["rejected"] == 0
-    closed = make_cache(url, fail_open=False)
+    closed = make_cache(url, fail_open=False, tuning=QUICK_FAILOVER)
     with pytest.raises(BackendUnavailable):
         await closed.do("k", loader, admit=BloomFilter(closed, "seen", 100, 0.01))
 
@@ -572,7 +584,7 @@ async def test_calls_that_do_not_fail_open_raise_while_the_server_is_unreachable
     from this process: with the server out of reach they raise BackendUnavailable, even
     with fail_open=True (an invalidation that cannot reach the server cannot promise
     anything)."""
-    fc = make_cache(f"redis://127.0.0.1:{free_port()}/0")
+    fc = make_cache(f"redis://127.0.0.1:{free_port()}/0", tuning=QUICK_FAILOVER)
 
     async def loader() -> str:
         return "local"

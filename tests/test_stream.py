@@ -178,6 +178,36 @@ async def test_leaving_early_does_not_stop_the_stream_for_others(
     assert await fc.get("q") == list(range(10))
 
 
+async def test_ready_hands_over_the_chunks_that_came_without_waiting_and_no_more(
+    backend_url: str, make_cache: Any
+) -> None:
+    fc = make_cache(backend_url)
+    gate = asyncio.Event()
+
+    async def produce() -> AsyncIterator[Any]:
+        for i in range(4):
+            yield i
+        await gate.wait()
+        yield 4
+
+    stream = fc.stream("q", produce)
+    assert stream.ready() == []  # not attached yet: nothing, and no waiting
+    assert await stream.__anext__() == 0
+    got: list[Any] = []
+    for _ in range(200):  # the producer goes on in its own task: 1, 2 and 3 come at once
+        got += stream.ready()
+        if len(got) >= 3:
+            break
+        await asyncio.sleep(0.005)
+    assert got == [1, 2, 3]
+    assert stream.ready() == []  # 4 has not come: ready does not wait for it
+    gate.set()
+    assert await collect(stream) == [4]
+    assert stream.ready() == []  # the end is for __anext__ to say
+    await stream.aclose()
+    assert await collect(stream) == []
+
+
 async def test_a_stream_over_the_size_limit_is_refused_and_not_cached(
     backend_url: str, make_cache: Any
 ) -> None:

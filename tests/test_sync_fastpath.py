@@ -295,7 +295,8 @@ def test_an_unreachable_server_falls_open_through_the_loop(make_sync: Any) -> No
     answers them, and use it again once the server is back."""
     server = EmbeddedServer().start()
     try:
-        fcs = opened(make_sync(server.url, near_cache=False))
+        # failover_s: how long a call retries before it fails open (10 s by default).
+        fcs = opened(make_sync(server.url, near_cache=False, tuning=Tuning(failover_s=0.5)))
         assert fcs.do("k", lambda: "v") == "v"
         server.stop()
         started = time.monotonic()

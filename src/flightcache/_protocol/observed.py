@@ -126,6 +126,12 @@ class ObservedStream(FlightStream):
             record.first_at = time.monotonic()
         return chunk
 
+    def ready(self) -> list[Any]:
+        chunks = super().ready()
+        if chunks and self._call.record.first_at is None:
+            self._call.record.first_at = time.monotonic()
+        return chunks
+
     async def aclose(self) -> None:
         try:
             await super().aclose()

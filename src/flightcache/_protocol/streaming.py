@@ -9,7 +9,7 @@ subscription, with ``source`` telling where its chunks come from.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import StreamRestarted
@@ -78,26 +78,50 @@ class LocalStream:
             raise self.error
         return self.source
 
-    async def subscribe(self) -> AsyncIterator[Any]:
-        generation, index = self.generation, 0
+    def subscribe(self) -> Cursor:
+        return Cursor(self)
+
+
+class Cursor:
+    """One subscriber's place in a :class:`LocalStream`: the chunks it has had, of which
+    generation (a restart after chunks were delivered is ``StreamRestarted``)."""
+
+    __slots__ = ("generation", "index", "local")
+
+    def __init__(self, local: LocalStream) -> None:
+        self.local = local
+        self.generation, self.index = local.generation, 0
+
+    def ready(self) -> list[Any]:
+        """The chunks that are here now and not had yet, without waiting (none when the
+        stream restarted: ``next`` says so)."""
+        local = self.local
+        if self.generation != local.generation or self.index >= len(local.chunks):
+            return []
+        chunks = local.chunks[self.index :]
+        self.index = len(local.chunks)
+        return chunks
+
+    async def next(self) -> Any:
+        """The next chunk, waiting for it; StopAsyncIteration at the stream's end."""
+        local = self.local
         while True:
-            if generation != self.generation:
-                if index:
+            if self.generation != local.generation:
+                if self.index:
                     raise StreamRestarted(
                         "the stream's owner died after chunks were delivered; a new owner "
                         "started it again (retry the request)",
-                        key=self.digest,
+                        key=local.digest,
                     )
-                generation = self.generation
-            if index < len(self.chunks):
-                index += 1
-                yield self.chunks[index - 1]
-            elif self.error is not None:
-                raise self.error
-            elif self.done:
-                return
-            else:
-                await self._changed_or_now()
+                self.generation = local.generation
+            if self.index < len(local.chunks):
+                self.index += 1
+                return local.chunks[self.index - 1]
+            if local.error is not None:
+                raise local.error
+            if local.done:
+                raise StopAsyncIteration
+            await local._changed_or_now()
 
 
 class FlightStream:
@@ -112,12 +136,13 @@ class FlightStream:
         self._attach = attach
         self._local: LocalStream | None = None
         self._joined = False
-        self._iter: AsyncIterator[Any] | None = None
+        self._cursor: Cursor | None = None
+        self._closed = False
 
     def _ensure(self) -> LocalStream:
         if self._local is None:
             self._local, self._joined = self._attach()
-            self._iter = self._local.subscribe()
+            self._cursor = self._local.subscribe()
         return self._local
 
     @property
@@ -139,10 +164,18 @@ class FlightStream:
         return self
 
     async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
         self._ensure()
-        assert self._iter is not None
-        return await self._iter.__anext__()
+        assert self._cursor is not None
+        return await self._cursor.next()
+
+    def ready(self) -> list[Any]:
+        """The chunks that have arrived and were not iterated yet, at once and without
+        waiting (``[]`` when there are none, or when the next ``__anext__`` has news: the
+        end, an error, a restart). For callers that forward chunks and would rather write
+        the ones that came together in one go."""
+        return [] if self._cursor is None or self._closed else self._cursor.ready()
 
     async def aclose(self) -> None:
-        if self._iter is not None:
-            await self._iter.aclose()  # type: ignore[attr-defined]
+        self._closed = True

@@ -322,12 +322,18 @@ class _Gateway:
                 if out is not None:
                     sent += 1
                     yield _event(plan, out)
-            async for chunk in flight:
-                seen.append(chunk)
-                out = for_client(plan.route, chunk, plan.include_usage, hit)
-                if out is not None:
-                    sent += 1
-                    yield _event(plan, out)
+            async for first_chunk in flight:
+                # The chunks that came together go out in one write: a replica that falls
+                # behind catches up with fewer sends, not more.
+                events: list[bytes] = []
+                for chunk in [first_chunk, *flight.ready()]:
+                    seen.append(chunk)
+                    out = for_client(plan.route, chunk, plan.include_usage, hit)
+                    if out is not None:
+                        sent += 1
+                        events.append(_event(plan, out))
+                if events:
+                    yield b"".join(events)
             if plan.route in ("chat", "completions"):
                 yield b"data: [DONE]\n\n"
             self._saved(plan, source, seen)
