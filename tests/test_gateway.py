@@ -256,6 +256,21 @@ async def test_x_cache_says_miss_coalesced_and_hit(fleet: Fleet, upstream: str) 
     assert "cached" not in first_answer.body["usage"]
 
 
+async def test_calls_to_the_upstream_reuse_their_connection(fleet: Fleet, upstream: str) -> None:
+    """A streamed answer is read to the end of its body, past its ``[DONE]``, so the
+    connection goes back to the gateway's pool: six calls one after another (streamed and
+    not, each a new prompt) come on one or two connections, not six (a body left unread
+    closes its connection, and each call would pay a new one, a TLS handshake on the real
+    API)."""
+    async with httpx.AsyncClient(timeout=20) as client:
+        for i in range(6):
+            answer = await ask(client, fleet.a.url, chat(f"keep-alive {i}", stream=i % 2 == 0))
+            assert answer.cache == "MISS"
+        upstream_stats = await astats(client, upstream)
+    assert upstream_stats["calls"] == 6
+    assert upstream_stats["connections"] <= 2
+
+
 @pytest.mark.timeout(90)
 async def test_200_identical_streams_over_two_gateways_make_one_upstream_call(
     fleet: Fleet, upstream: str
@@ -685,6 +700,36 @@ async def test_metrics_and_healthz(fleet: Fleet, upstream: str) -> None:
     assert value("flightcache_gateway_time_to_first_byte_seconds_count", route="chat", cache="MISS")
     assert "flightcache_gateway_requests_in_flight" in text
     assert KEY not in text
+
+
+def test_at_debug_level_the_http_clients_log_no_url_that_may_hold_a_key(
+    mock_url: str, server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Some upstreams take a key in the query string: the HTTP client's own loggers (httpx or
+    httpx2 and their httpcore) would log each request's URL, so they stay at warning even
+    when the gateway logs at debug."""
+    secret = "sk-query-" + uuid.uuid4().hex
+    gateway = start(
+        mock_url,
+        "--namespace",
+        "quiet",
+        "--log-level",
+        "debug",
+        redis=server.url,
+        directory=tmp_path,
+    )
+    try:
+        headers = {"authorization": f"Bearer {KEY}"}
+        r = httpx.get(f"{gateway.url}/v1/models/mock-chat?api-key={secret}", headers=headers)
+        assert r.status_code == 200
+        with sync_client(gateway) as client:
+            client.chat.completions.create(**chat("quiet"))
+        assert gateway.terminate() == 0
+        logged = gateway.stderr()
+        assert "flightcache" in logged  # it did log at debug
+        assert secret not in logged and KEY not in logged
+    finally:
+        gateway.close()
 
 
 def test_serve_on_the_embedded_server_prints_its_address_and_stops_on_sigterm(

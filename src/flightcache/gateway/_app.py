@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -42,6 +41,7 @@ from ..integrations._answers import (
 )
 from ..telemetry import instrument
 from ._config import GatewayConfig
+from ._http import httpx
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
 from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
 from ._tracing import Tracing

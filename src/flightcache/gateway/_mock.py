@@ -19,8 +19,10 @@ Not under ``/v1``, for the tests that drive it:
 
 - ``GET /stats``: ``{"calls": N, "by_route": {...}, "by_status": {...}, "in_flight": k,
   "max_in_flight": m, "streams": s, "cuts": c, "hanging": h, "tenants": {digest: n},
-  "settings": {...}}``; ``calls`` counts every request received under ``/v1``; a tenant is
-  the first 12 hex digits of the SHA-256 of its bearer key.
+  "connections": k, "settings": {...}}``; ``calls`` counts every request received under
+  ``/v1``, ``connections`` the distinct client connections they came on (a client that
+  keeps its connections alive reuses them); a tenant is the first 12 hex digits of the
+  SHA-256 of its bearer key.
 - ``POST /control`` with any of ``mode``, ``status``, ``latency_ms``, ``tokens_per_s``,
   ``text_tokens``, ``retry_after``, ``times``, ``cut_after``, ``hang_s``; answers the
   settings. Modes, applied to the ``/v1`` model routes after auth and validation:

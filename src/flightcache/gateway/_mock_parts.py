@@ -96,6 +96,7 @@ class MockState:
         self.by_route: Counter[str] = Counter()
         self.by_status: Counter[str] = Counter()
         self.tenants: Counter[str] = Counter()
+        self.peers: set[Any] = set()  # (host, port) of each connection a request came on
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -108,6 +109,7 @@ class MockState:
             "cuts": self.cuts,
             "hanging": self.hanging,
             "tenants": dict(self.tenants),
+            "connections": len(self.peers),
             "settings": asdict(self.settings),
         }
 
@@ -407,6 +409,7 @@ class _Accounting:
         state = self.state
         state.calls += 1
         state.by_route[path] += 1
+        state.peers.add(tuple(scope.get("client") or ()))
         headers = dict(scope["headers"])
         match = _BEARER.fullmatch(headers.get(b"authorization", b"").decode("latin-1"))
         key = match[1] if match else headers.get(b"x-api-key", b"").decode("latin-1").strip()

@@ -17,12 +17,12 @@ streams out of the negative cache (other 4xx are kept ``client_error_ttl`` secon
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
-import httpx
 import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
@@ -38,6 +38,7 @@ from ..integrations._answers import ended, failure
 from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
+from ._http import httpx
 
 __all__ = [
     "HOP_BY_HOP",
@@ -74,6 +75,7 @@ FORWARDED_PREFIXES = ("openai-beta", "anthropic-beta")
 KEPT_ERROR_HEADERS = ("retry-after", "retry-after-ms", "x-request-id")
 KEPT_ERROR_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
+REST_S = 1.0  # how long a stream's body is read past its end marker (see _rest_of)
 NEVER_CACHED = frozenset({401, 403, 408, 409, 429})
 
 OnCall = Callable[[str, str], None]  # (route, status or failure kind)
@@ -289,9 +291,11 @@ class Upstream:
                         yield chunk
                     return
                 done = False
-                async for data in _sse_data(response.aiter_lines()):
+                lines = response.aiter_lines()
+                async for data in _sse_data(lines):
                     if data.strip() == "[DONE]":
                         done = done or route in ("chat", "completions")
+                        await _rest_of(lines)
                         break
                     chunk = self._chunk(route, data)
                     done = done or ended(route, chunk)
@@ -375,6 +379,19 @@ def _events_of(route: Route, answer: Any) -> list[dict[str, Any]]:
     if route == "messages":
         return events_from_message(answer)
     return chunks_from_completion(answer)
+
+
+async def _rest_of(lines: AsyncIterator[str]) -> None:
+    """Read the body past its last event, for at most ``REST_S``: a connection whose body
+    was read to its end goes back to the pool; one closed early is dropped, and the next
+    call pays a new connection (and TLS handshake) to the upstream."""
+
+    async def read_all() -> None:
+        async for _ in lines:
+            pass
+
+    with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
+        await asyncio.wait_for(read_all(), REST_S)
 
 
 async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
