@@ -427,6 +427,10 @@ def test_stream_over_a_plain_generator(make_sync: Any) -> None:
     assert produced == [0, 1, 2, 3, 4] and closed.wait(5)
     with fcs.stream("story", tokens) as replay:
         assert replay.opened() == "HIT" and list(replay) == [f"t{i}" for i in range(5)]
+    with fcs.stream("story", tokens) as replay:  # a hit has every chunk at once
+        assert next(replay) == "t0"
+        assert replay.ready() == [f"t{i}" for i in range(1, 5)]
+        assert replay.ready() == [] and list(replay) == []
 
 
 def test_flight_decorator_on_the_sync_client_takes_def_and_async_def(make_sync: Any) -> None:

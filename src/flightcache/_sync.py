@@ -98,6 +98,15 @@ class FlightStreamSync:
         except StopAsyncIteration:
             raise StopIteration from None
 
+    def ready(self) -> list[Any]:
+        """The chunks that have arrived and were not iterated yet, without waiting for more
+        (read on the engine's loop, which owns the stream)."""
+
+        async def take() -> list[Any]:
+            return self._stream.ready()
+
+        return self._engine.run(take(), self._bound)
+
     def close(self) -> None:
         self._engine.run(self._stream.aclose(), self._bound)
 
