@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from flightcache import EmbeddedServer  # noqa: E402
 from flightcache.gateway._assemble import assemble, for_client  # noqa: E402
 from flightcache.gateway._mock import make_mock_app  # noqa: E402
 from flightcache.gateway._serve_util import ServerThread  # noqa: E402
+from flightcache.gateway._upstream import REST_S, _rest_of  # noqa: E402
 
 from .helpers.gateway import (  # noqa: E402
     KEY,
@@ -269,6 +270,24 @@ async def test_calls_to_the_upstream_reuse_their_connection(fleet: Fleet, upstre
         upstream_stats = await astats(client, upstream)
     assert upstream_stats["calls"] == 6
     assert upstream_stats["connections"] <= 2
+
+
+async def test_the_read_past_done_gives_up_after_its_bound() -> None:
+    """An upstream that keeps a stream's body open after ``[DONE]`` (here: a comment every
+    10 ms, forever) delays the end by ``REST_S`` at most."""
+    sent = 0
+
+    async def endless() -> AsyncIterator[str]:
+        nonlocal sent
+        while True:
+            await asyncio.sleep(0.01)
+            sent += 1
+            yield ": keep-alive"
+
+    started = time.monotonic()
+    await _rest_of(endless())
+    assert REST_S <= time.monotonic() - started < REST_S + 2.0
+    assert sent > 10  # it did read, until the bound
 
 
 @pytest.mark.timeout(90)
