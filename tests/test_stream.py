@@ -208,6 +208,31 @@ async def test_ready_hands_over_the_chunks_that_came_without_waiting_and_no_more
     assert await collect(stream) == []
 
 
+async def test_ready_never_hands_over_the_chunks_of_a_restarted_stream() -> None:
+    """A reader that had chunks when the stream restarted (a new owner) gets nothing from
+    ``ready()`` and StreamRestarted from the next iteration; one that had none starts over
+    with the new generation's chunks."""
+    from flightcache._protocol.streaming import FlightStream, LocalStream
+
+    local = LocalStream("digest")
+    had, fresh = (FlightStream(lambda: (local, False)) for _ in range(2))
+    local.opened("MISS")
+    local.publish("old 1")
+    local.publish("old 2")
+    assert await had.__anext__() == "old 1"
+    assert had.ready() == ["old 2"]
+    await fresh.opened()  # attached, no chunk taken yet
+    local.restart()
+    for chunk in ("new 1", "new 2", "new 3"):  # more than `had` had: its index is inside
+        local.publish(chunk)
+    assert had.ready() == []
+    with pytest.raises(StreamRestarted):
+        await had.__anext__()
+    assert fresh.ready() == []  # the restart is news for the next iteration first
+    assert await fresh.__anext__() == "new 1"
+    assert fresh.ready() == ["new 2", "new 3"]
+
+
 async def test_a_stream_over_the_size_limit_is_refused_and_not_cached(
     backend_url: str, make_cache: Any
 ) -> None:
