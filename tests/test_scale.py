@@ -25,7 +25,7 @@ from flightcache import EmbeddedServer, FlightCache
 from flightcache._backends import convoy as convoy_module
 from flightcache._backends.convoy import Convoy
 
-from .helpers.flights import wait_for_flight
+from .helpers.flights import wait_for_flight, wait_until
 
 SCALE_WORKER = Path(__file__).with_name("helpers") / "scale_worker.py"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -578,10 +578,9 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
         rechecks = _conn_of_flights(held.follower).follower.rechecks
         timers_before = timers()
         followed = held.follow()
-        for _ in range(500):
-            if held.follower.stats["follows"] >= keys:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(
+            lambda: held.follower.stats["follows"] >= keys, 5.0, "every flight to be joined"
+        )
         added: list[int] = []
         for _ in range(36):  # 3.6 s: three re-checks a flight, the first after the lease
             await asyncio.sleep(0.1)

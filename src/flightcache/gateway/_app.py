@@ -316,24 +316,28 @@ class _Gateway:
         hit = source == "HIT"
         seen = list(first)
         sent = 0
-        try:
-            for chunk in first:
+
+        def events_of(chunks: list[Any]) -> bytes:
+            """The client's events for ``chunks``, as one write (counted in ``sent``)."""
+            nonlocal sent
+            events = []
+            for chunk in chunks:
                 out = for_client(plan.route, chunk, plan.include_usage, hit)
                 if out is not None:
-                    sent += 1
-                    yield _event(plan, out)
-            async for first_chunk in flight:
+                    events.append(_event(plan, out))
+            sent += len(events)
+            return b"".join(events)
+
+        try:
+            if data := events_of(first):
+                yield data
+            async for chunk in flight:
                 # The chunks that came together go out in one write: a replica that falls
                 # behind catches up with fewer sends, not more.
-                events: list[bytes] = []
-                for chunk in [first_chunk, *flight.ready()]:
-                    seen.append(chunk)
-                    out = for_client(plan.route, chunk, plan.include_usage, hit)
-                    if out is not None:
-                        sent += 1
-                        events.append(_event(plan, out))
-                if events:
-                    yield b"".join(events)
+                batch = [chunk, *flight.ready()]
+                seen += batch
+                if data := events_of(batch):
+                    yield data
             if plan.route in ("chat", "completions"):
                 yield b"data: [DONE]\n\n"
             self._saved(plan, source, seen)
