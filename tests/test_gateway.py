@@ -536,7 +536,10 @@ async def test_server_errors_are_not_cached_and_client_errors_only_briefly(
 async def test_a_cut_stream_is_an_error_for_every_caller_and_not_cached(
     fleet: Fleet, upstream: str
 ) -> None:
-    control(upstream, mode="cut", cut_after=3, latency_ms=200, tokens_per_s=50, times=1)
+    # The upstream answers late enough that the three callers below join the flight before
+    # the cut on a loaded machine (in one CI run, with 200 ms, the SDK's first request came
+    # after the flight had failed and was answered by a second call).
+    control(upstream, mode="cut", cut_after=3, latency_ms=2000, tokens_per_s=50, times=1)
     body = chat("cut")
     stream = {**body, "stream": True}
     async with httpx.AsyncClient(timeout=20) as client, async_client(fleet.b) as oai:
