@@ -727,9 +727,9 @@ async def test_metrics_and_healthz(fleet: Fleet, upstream: str) -> None:
 def test_at_debug_level_the_http_clients_log_no_url_that_may_hold_a_key(
     mock_url: str, server: EmbeddedServer, tmp_path: Path
 ) -> None:
-    """Some upstreams take a key in the query string: the HTTP client's own loggers (httpx or
-    httpx2 and their httpcore) would log each request's URL, so they stay at warning even
-    when the gateway logs at debug."""
+    """Some upstreams take a key in the query string: an HTTP client's own loggers (aiohttp's,
+    or httpx's and httpcore's, which log each request's URL) stay at warning even when the
+    gateway logs at debug."""
     secret = "sk-query-" + uuid.uuid4().hex
     gateway = start(
         mock_url,

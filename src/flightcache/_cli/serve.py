@@ -204,7 +204,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for name in ("httpx", "httpcore", "httpx2", "httpcore2"):  # they log URLs (a key in a query)
+    for name in ("aiohttp", "httpx", "httpcore"):  # they may log URLs (a key in a query)
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     app = make_app(
         upstream=args.upstream,

@@ -41,7 +41,7 @@ from ..integrations._answers import (
 )
 from ..telemetry import instrument
 from ._config import GatewayConfig
-from ._http import httpx
+from ._http import upstream_session
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
 from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
 from ._tracing import Tracing
@@ -134,12 +134,11 @@ class _Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         config = self.config
-        limits = httpx.Limits(
+        http = upstream_session(
             max_connections=config.max_connections,
-            max_keepalive_connections=min(config.max_connections, 64),
+            upstream_timeout=config.upstream_timeout,
+            connect_timeout=config.connect_timeout,
         )
-        timeout = httpx.Timeout(config.upstream_timeout, connect=config.connect_timeout)
-        http = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
         fc = FlightCache(
             config.redis_url or "embedded://",
             namespace=config.namespace,

@@ -1,4 +1,5 @@
-"""Calls to the upstream API over one shared ``httpx.AsyncClient``, and what their errors mean.
+"""Calls to the upstream API over one shared ``aiohttp.ClientSession`` (``_http.py``), and what
+their errors mean.
 
 - :meth:`Upstream.stream_chunks`: an answer, always streamed (``stream: true``), as the
   parsed SSE ``data`` objects (chat and text completion chunks, Responses and Messages
@@ -23,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
+import aiohttp
 import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
@@ -38,7 +40,7 @@ from ..integrations._answers import ended, failure
 from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
-from ._http import httpx
+from ._http import TRANSPORT_ERRORS, is_timeout
 
 __all__ = [
     "HOP_BY_HOP",
@@ -153,12 +155,13 @@ def describe_error(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, s
     return 500, openai_error(message, status=500), {}, "internal"
 
 
-def _kept_error_headers(headers: httpx.Headers) -> dict[str, str]:
-    return {
-        name: value
-        for name, value in headers.items()
-        if name in KEPT_ERROR_HEADERS or name.startswith(KEPT_ERROR_PREFIXES)
-    }
+def _kept_error_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    kept = {}
+    for name, value in headers.items():
+        name = name.lower()
+        if name in KEPT_ERROR_HEADERS or name.startswith(KEPT_ERROR_PREFIXES):
+            kept[name] = value
+    return kept
 
 
 def _without_hop_by_hop(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -180,7 +183,7 @@ class _Relay(StreamingResponse):
             async for chunk in self.body_iterator:
                 data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             log.warning("passthrough: the upstream broke off its answer (%s)", type(exc).__name__)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -192,7 +195,7 @@ class Upstream:
     def __init__(
         self,
         base_url: str,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         *,
         client_error_ttl: float,
         on_call: OnCall | None = None,
@@ -201,7 +204,7 @@ class Upstream:
         if base.endswith("/v1"):
             base = base[: -len("/v1")]  # "https://api.openai.com/v1" works as well
         self.base = base
-        self.client = client
+        self.session = session
         self.client_error_ttl = client_error_ttl
         self._on_call = on_call or (lambda route, status: None)
 
@@ -220,10 +223,10 @@ class Upstream:
     def error_ttl(self, status: int) -> float:
         return 0.0 if status in NEVER_CACHED or status >= 500 else self.client_error_ttl
 
-    def _failure(self, route: str, exc: httpx.HTTPError, started: bool) -> UpstreamError:
+    def _failure(self, route: str, exc: Exception, started: bool) -> UpstreamError:
         """The error for a request that failed in transport (no status, or a cut body)."""
         what = "the upstream's answer was cut off" if started else "the upstream is unreachable"
-        if isinstance(exc, httpx.TimeoutException):
+        if is_timeout(exc):
             status, kind = 504, "timeout"
             what = "the upstream timed out" + (" mid-answer" if started else "")
         else:
@@ -233,13 +236,13 @@ class Upstream:
         message = f"flightcache gateway: {what} ({type(exc).__name__})"
         return UpstreamError(status, openai_error(message, status=status, code=kind))
 
-    async def _error_from(self, response: httpx.Response) -> UpstreamError:
+    async def _error_from(self, response: aiohttp.ClientResponse) -> UpstreamError:
         raw = b""
-        async for data in response.aiter_bytes():
+        async for data in response.content.iter_any():
             raw += data
             if len(raw) > MAX_ERROR_BODY:
                 break
-        status = response.status_code
+        status = response.status
         body: Any = None
         try:
             body = orjson.loads(raw)
@@ -255,27 +258,26 @@ class Upstream:
     @contextlib.asynccontextmanager
     async def _post(
         self, route: str, path: str, body: Any, headers: Mapping[str, str]
-    ) -> AsyncIterator[httpx.Response]:
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One JSON POST to the upstream, counted by ``on_call``: its 200 response, streamed
         and closed on the way out, or UpstreamError (a transport error while the caller
         reads the body becomes one too)."""
         sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
-        request = self.client.build_request(
-            "POST", self.url(path), content=orjson.dumps(body), headers=sent
-        )
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self.session.post(
+                self.url(path), data=orjson.dumps(body), headers=sent, allow_redirects=False
+            )
+        except TRANSPORT_ERRORS as exc:
             raise self._failure(route, exc, started=False) from exc
         try:
-            self._on_call(route, str(response.status_code))
-            if response.status_code != 200:
+            self._on_call(route, str(response.status))
+            if response.status != 200:
                 raise await self._error_from(response)
             yield response
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise self._failure(route, exc, started=True) from exc
         finally:
-            await response.aclose()
+            response.release()  # back to the pool if its body was read to the end
 
     async def stream_chunks(
         self, route: Route, path: str, body: dict[str, Any], headers: Mapping[str, str]
@@ -286,12 +288,12 @@ class Upstream:
             try:
                 if "text/event-stream" not in response.headers.get("content-type", ""):
                     # An upstream that ignores stream: true; its whole answer becomes the chunks.
-                    answer = orjson.loads(await response.aread())
+                    answer = orjson.loads(await response.read())
                     for chunk in _events_of(route, answer):
                         yield chunk
                     return
                 done = False
-                lines = response.aiter_lines()
+                lines = _lines(response.content.iter_any())
                 async for data in _sse_data(lines):
                     if data.strip() == "[DONE]":
                         done = done or route in ("chat", "completions")
@@ -324,7 +326,7 @@ class Upstream:
         """A non-streamed JSON answer (embeddings), or UpstreamError."""
         async with self._post(route, path, body, {**headers, "accept": "application/json"}) as r:
             try:
-                return orjson.loads(await r.aread())
+                return orjson.loads(await r.read())
             except orjson.JSONDecodeError as exc:
                 message = "flightcache gateway: the upstream sent an answer that is not JSON"
                 raise UpstreamError(502, openai_error(message, status=502)) from exc
@@ -344,29 +346,28 @@ class Upstream:
         pairs = _without_hop_by_hop(headers)
         sent = [(k, v) for k, v in pairs if k != "content-length"]
         if not any(k == "accept-encoding" for k, _ in sent):
-            sent.append(("accept-encoding", "identity"))  # not httpx's default: relay as is
+            sent.append(("accept-encoding", "identity"))  # not aiohttp's default: relay as is
         url = self.url(path) + (f"?{query}" if query else "")
-        request = self.client.build_request(method, url, headers=sent, content=body)
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self.session.request(
+                method, url, headers=sent, data=body or None, allow_redirects=False
+            )
+        except TRANSPORT_ERRORS as exc:
             error = self._failure(route, exc, started=False)
             return Response(orjson.dumps(error.body), error.status, media_type="application/json")
-        self._on_call(route, str(response.status_code))
+        self._on_call(route, str(response.status))
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for data in response.aiter_raw():
+                async for data in response.content.iter_any():
                     yield data
             finally:
-                await response.aclose()
+                response.release()
 
-        relayed = _Relay(relay(), status_code=response.status_code)
+        relayed = _Relay(relay(), status_code=response.status)
         extra = [(k.lower(), v) for k, v in (extra_headers or {}).items()]
         replaced = {k for k, _ in extra}
-        back = [
-            p for p in _without_hop_by_hop(response.headers.multi_items()) if p[0] not in replaced
-        ]
+        back = [p for p in _without_hop_by_hop(response.headers.items()) if p[0] not in replaced]
         back += extra
         relayed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in back]
         return relayed
@@ -390,8 +391,33 @@ async def _rest_of(lines: AsyncIterator[str]) -> None:
         async for _ in lines:
             pass
 
-    with contextlib.suppress(httpx.HTTPError, asyncio.TimeoutError):
+    with contextlib.suppress(*TRANSPORT_ERRORS, asyncio.TimeoutError):
         await asyncio.wait_for(read_all(), REST_S)
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a body (ended by ``\\n``, ``\\r\\n`` or ``\\r``, without their ending), as
+    text; a last line without its ending too. A piece without a line ending is only kept
+    (a long line costs its length, not its length times its pieces)."""
+    pending = bytearray()
+    async for data in chunks:
+        pending += data
+        if b"\n" not in data and b"\r" not in data:
+            continue
+        # A "\r" at the end may be the first half of "\r\n": kept for the next piece.
+        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        *lines, rest = _split(bytes(pending[:cut]))
+        pending = bytearray(rest) + pending[cut:]
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    *lines, rest = _split(bytes(pending))
+    for line in [*lines, rest] if rest else lines:
+        yield line.decode("utf-8", "replace")
+
+
+def _split(raw: bytes) -> list[bytes]:
+    """``raw`` cut at every line ending; the last piece is what follows the last ending."""
+    return raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
 
 
 async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
