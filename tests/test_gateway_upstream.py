@@ -15,7 +15,7 @@ pytest.importorskip("starlette")
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from flightcache.gateway._http import upstream_session  # noqa: E402
+from flightcache.gateway._http import env_proxy, upstream_session  # noqa: E402
 from flightcache.gateway._upstream import Upstream, _lines  # noqa: E402
 
 # Bodies of a few short lines, each ended by any of the three line endings (or none).
@@ -72,10 +72,11 @@ async def test_a_cookie_an_upstream_sets_is_not_sent_on_later_calls() -> None:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         # A host name, not an address: a default cookie jar ignores cookies set by addresses.
+        url = f"http://localhost:{port}"
         async with upstream_session(
-            max_connections=4, upstream_timeout=10, connect_timeout=5
+            url, max_connections=4, upstream_timeout=10, connect_timeout=5
         ) as session:
-            upstream = Upstream(f"http://localhost:{port}", session, client_error_ttl=0)
+            upstream = Upstream(url, session, client_error_ttl=0)
             for _ in range(2):
                 assert await upstream.fetch_json("embeddings", "/v1/embeddings", {}, {}) == {
                     "data": []
@@ -83,3 +84,17 @@ async def test_a_cookie_an_upstream_sets_is_not_sent_on_later_calls() -> None:
     finally:
         await runner.cleanup()
     assert seen == [None, None]
+
+
+def test_the_environment_names_the_upstreams_proxy_unless_no_proxy_spares_its_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
+        for variant in (name, name.upper()):
+            monkeypatch.delenv(variant, raising=False)
+    assert env_proxy("https://127.0.0.5:8443/v1") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
+    assert env_proxy("https://127.0.0.5:8443/v1") == "http://127.0.0.1:3128"
+    assert env_proxy("http://127.0.0.5:8000/v1") is None  # no HTTP_PROXY
+    monkeypatch.setenv("NO_PROXY", "127.0.0.5")
+    assert env_proxy("https://127.0.0.5:8443/v1") is None

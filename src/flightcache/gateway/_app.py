@@ -135,6 +135,7 @@ class _Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         config = self.config
         http = upstream_session(
+            config.upstream,
             max_connections=config.max_connections,
             upstream_timeout=config.upstream_timeout,
             connect_timeout=config.connect_timeout,
