@@ -1,11 +1,15 @@
 """The gateway's upstream client (``gateway/_http.py``, ``gateway/_upstream.py``) on its own:
-how a streamed body is cut into lines, and what the shared session keeps between calls. The
-upstream here is a real aiohttp server on a loopback port."""
+how a streamed body is cut into lines, what the shared session keeps between calls, and the
+bounds on every wait for an upstream that misbehaves. The upstreams here are real servers
+on loopback ports: an aiohttp server, or a raw TCP one that writes exactly the bytes a test
+wants (or reads nothing)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +20,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from flightcache.gateway._http import env_proxy, upstream_session  # noqa: E402
-from flightcache.gateway._upstream import Upstream, _lines  # noqa: E402
+from flightcache.gateway._upstream import Upstream, UpstreamError, _lines  # noqa: E402
 
 # Bodies of a few short lines, each ended by any of the three line endings (or none).
 _LINE = st.text(alphabet=st.sampled_from("ab: é"), max_size=4)
@@ -98,3 +102,114 @@ def test_the_environment_names_the_upstreams_proxy_unless_no_proxy_spares_its_ho
     assert env_proxy("http://127.0.0.5:8000/v1") is None  # no HTTP_PROXY
     monkeypatch.setenv("NO_PROXY", "127.0.0.5")
     assert env_proxy("https://127.0.0.5:8443/v1") is None
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_upstream(handler: Handler, **limits: float) -> AsyncIterator[Upstream]:
+    """An ``Upstream`` (``read_timeout`` 0.5 s unless given) on a raw TCP server whose
+    every connection ``handler`` serves."""
+    connections: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await handler(reader, writer)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    read_timeout = limits.get("read_timeout", 0.5)
+    try:
+        async with upstream_session(
+            url, max_connections=4, upstream_timeout=read_timeout, connect_timeout=2
+        ) as session:
+            yield Upstream(url, session, client_error_ttl=0, read_timeout=read_timeout)
+    finally:
+        for writer in connections:
+            writer.close()
+        server.close()
+
+
+async def _request_head(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+async def test_a_malformed_chunk_fails_the_call_within_the_read_timeout() -> None:
+    """aiohttp's C parser, on a bad chunk size, stops feeding the body without failing it
+    (and stops its read timer): without ``body_of``'s bound this call waits forever."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request_head(reader)
+        event = b'data: {"choices": []}\n\n'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        writer.write(b"transfer-encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.1)  # read apart from the first chunk
+        writer.write(b"zz\r\n garbage\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async with raw_upstream(answer) as upstream:
+        started = time.monotonic()
+        with pytest.raises(UpstreamError) as caught:
+            await asyncio.wait_for(_all_chunks(upstream), 10)
+    assert caught.value.status in (502, 504)
+    assert time.monotonic() - started < 5
+
+
+async def _all_chunks(upstream: Upstream) -> list[dict[str, object]]:
+    body = {"model": "m", "stream": True, "messages": []}
+    return [c async for c in upstream.stream_chunks("chat", "/v1/chat/completions", body, {})]
+
+
+async def test_an_upstream_that_reads_no_upload_fails_the_call_within_the_read_timeout() -> None:
+    """aiohttp bounds no write: a request body the upstream never reads would wait forever
+    without the bound on the whole request."""
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    big = {"input": "x" * (48 << 20)}  # more than the loopback buffers take
+    async with raw_upstream(never_read) as upstream:
+        started = time.monotonic()
+        with pytest.raises(UpstreamError) as caught:
+            await asyncio.wait_for(upstream.fetch_json("embeddings", "/v1/embeddings", big, {}), 10)
+    assert caught.value.status == 504
+    assert time.monotonic() - started < 5
+
+
+async def test_a_passthrough_keeps_its_path_drops_expect_and_relays_header_bytes() -> None:
+    """The path goes out as the caller wrote it (no dot segment undone), a caller's ``Expect:
+    100-continue`` is not relayed (the upstream here never sends 100, so the call would wait
+    for it), and the answer's header bytes come back as they were, not UTF-8 or not."""
+    seen: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await _request_head(reader)
+        seen.append(head)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n")
+        writer.write(b'content-disposition: attachment; filename="caf\xe9.jsonl"\r\n\r\nok')
+        await writer.drain()
+
+    async with raw_upstream(answer) as upstream:
+        response = await asyncio.wait_for(
+            upstream.proxy(
+                "POST",
+                "/v1/files/%2E%2E/%2e%2e/admin",
+                "filter[s]=1",
+                [("expect", "100-continue"), ("content-type", "text/plain")],
+                b"body",
+            ),
+            5,
+        )
+        body = b"".join([bytes(c) async for c in response.body_iterator])  # type: ignore[attr-defined]
+    assert body == b"ok" and response.status_code == 200
+    request_line, *header_lines = seen[0].split(b"\r\n")
+    assert request_line == b"POST /v1/files/%2E%2E/%2e%2e/admin?filter[s]=1 HTTP/1.1"
+    assert not any(line.lower().startswith(b"expect:") for line in header_lines)
+    assert (b"content-disposition", b'attachment; filename="caf\xe9.jsonl"') in response.raw_headers

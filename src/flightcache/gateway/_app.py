@@ -158,6 +158,7 @@ class _Gateway:
                 config.upstream,
                 http,
                 client_error_ttl=config.error_ttl,
+                read_timeout=config.upstream_timeout,
                 on_call=self.metrics.upstream_call,
             )
             self.metrics.watch(lambda: fc.stats)

@@ -11,7 +11,9 @@ What the session does, and why:
 - ``limit``: at most ``max_connections`` upstream connections; a call waits for a free one
   (``connect``, bounded by ``upstream_timeout``). Idle connections are kept alive.
 - ``sock_connect``: ``connect_timeout`` to open a connection; ``sock_read``:
-  ``upstream_timeout`` without a byte from the upstream, the headers' wait included.
+  ``upstream_timeout`` without a byte from the upstream, the headers' wait included. aiohttp
+  bounds no write, so ``_upstream.py`` also bounds each request, until its headers come
+  back, by ``upstream_timeout`` (``bounded``), and each read of a body (``body_of``).
 - No cookie jar: cookies an upstream sets would otherwise ride on every later client's call.
 - No decompression: answers are asked for uncompressed, and a passthrough relays its bytes
   as they come, with their ``content-encoding``.
@@ -25,13 +27,31 @@ What the session does, and why:
 from __future__ import annotations
 
 import asyncio
+import io
+import sys
 import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
-__all__ = ["TRANSPORT_ERRORS", "env_proxy", "is_timeout", "upstream_session"]
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp depends on async-timeout there, whose timeout() has the same API
+    from async_timeout import timeout as _timeout
 
+__all__ = [
+    "TRANSPORT_ERRORS",
+    "body_of",
+    "bounded",
+    "env_proxy",
+    "is_timeout",
+    "payload",
+    "upstream_session",
+]
+
+LARGE_BODY = 1 << 20
 # What a call that failed in transport raises (a refused or cut connection, a timeout).
 TRANSPORT_ERRORS = (aiohttp.ClientError,)
 
@@ -46,10 +66,42 @@ def env_proxy(url: str) -> str | None:
     """The proxy the environment names for ``url`` (``HTTPS_PROXY``... unless ``NO_PROXY``
     spares its host), if any."""
     parts = urlsplit(url)
-    proxy = urllib.request.getproxies().get(parts.scheme)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
     if not proxy or not parts.hostname or urllib.request.proxy_bypass(parts.hostname):
         return None
-    return proxy
+    return proxy if "://" in proxy else f"http://{proxy}"  # "host:port" means http://
+
+
+def payload(body: bytes) -> bytes | io.BytesIO:
+    """A request body for aiohttp: over 1 MiB, a file object, written in pieces (aiohttp
+    warns of bytes that large, whose one write may hold the loop)."""
+    return io.BytesIO(body) if len(body) > LARGE_BODY else body
+
+
+def bounded(seconds: float) -> Any:
+    """A timeout scope (``async with``): TimeoutError once ``seconds`` have passed."""
+    return _timeout(seconds)
+
+
+async def body_of(response: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
+    """A response's body as it comes, each piece within ``idle_s`` of the last, else
+    ``aiohttp.ServerTimeoutError``. Not left to ``sock_read`` alone: aiohttp's C parser,
+    on a malformed chunk size, stops feeding the body without failing it and stops the
+    read timer with it, and the read would wait forever. One scope a read, never across a
+    ``yield``: a scope cancels the task that entered it, and the reader may be another by
+    then (``_rest_of`` reads in a task of its own)."""
+    reader = response.content
+    while True:
+        try:
+            async with _timeout(idle_s):
+                data = await reader.readany()
+        except asyncio.TimeoutError as exc:
+            message = f"no byte from the upstream for {idle_s:g} s"
+            raise aiohttp.ServerTimeoutError(message) from exc
+        if not data:
+            return
+        yield data
 
 
 def upstream_session(
@@ -69,4 +121,5 @@ def upstream_session(
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
         proxy=env_proxy(base_url),
+        skip_auto_headers=("content-type",),  # a relayed request keeps the caller's, or none
     )

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import yarl
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
@@ -40,7 +41,7 @@ from ..integrations._answers import ended, failure
 from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
-from ._http import TRANSPORT_ERRORS, is_timeout
+from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, payload
 
 __all__ = [
     "HOP_BY_HOP",
@@ -198,6 +199,7 @@ class Upstream:
         session: aiohttp.ClientSession,
         *,
         client_error_ttl: float,
+        read_timeout: float = 300.0,
         on_call: OnCall | None = None,
     ) -> None:
         base = base_url.rstrip("/")
@@ -206,6 +208,7 @@ class Upstream:
         self.base = base
         self.session = session
         self.client_error_ttl = client_error_ttl
+        self.read_timeout = read_timeout  # for the headers (upload included), then a byte
         self._on_call = on_call or (lambda route, status: None)
 
     def url(self, path: str) -> str:
@@ -238,7 +241,7 @@ class Upstream:
 
     async def _error_from(self, response: aiohttp.ClientResponse) -> UpstreamError:
         raw = b""
-        async for data in response.content.iter_any():
+        async for data in body_of(response, self.read_timeout):
             raw += data
             if len(raw) > MAX_ERROR_BODY:
                 break
@@ -264,10 +267,14 @@ class Upstream:
         reads the body becomes one too)."""
         sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
         try:
-            response = await self.session.post(
-                self.url(path), data=orjson.dumps(body), headers=sent, allow_redirects=False
-            )
-        except TRANSPORT_ERRORS as exc:
+            async with bounded(self.read_timeout):  # aiohttp bounds no write
+                response = await self.session.post(
+                    self.url(path),
+                    data=payload(orjson.dumps(body)),
+                    headers=sent,
+                    allow_redirects=False,
+                )
+        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as exc:
             raise self._failure(route, exc, started=False) from exc
         try:
             self._on_call(route, str(response.status))
@@ -288,12 +295,12 @@ class Upstream:
             try:
                 if "text/event-stream" not in response.headers.get("content-type", ""):
                     # An upstream that ignores stream: true; its whole answer becomes the chunks.
-                    answer = orjson.loads(await response.read())
+                    answer = orjson.loads(await self._read(response))
                     for chunk in _events_of(route, answer):
                         yield chunk
                     return
                 done = False
-                lines = _lines(response.content.iter_any())
+                lines = _lines(body_of(response, self.read_timeout))
                 async for data in _sse_data(lines):
                     if data.strip() == "[DONE]":
                         done = done or route in ("chat", "completions")
@@ -320,13 +327,16 @@ class Upstream:
         chunk.pop("obfuscation", None)  # random padding, different in every run
         return chunk
 
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        return b"".join([data async for data in body_of(response, self.read_timeout)])
+
     async def fetch_json(
         self, route: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
     ) -> Any:
         """A non-streamed JSON answer (embeddings), or UpstreamError."""
         async with self._post(route, path, body, {**headers, "accept": "application/json"}) as r:
             try:
-                return orjson.loads(await r.read())
+                return orjson.loads(await self._read(r))
             except orjson.JSONDecodeError as exc:
                 message = "flightcache gateway: the upstream sent an answer that is not JSON"
                 raise UpstreamError(502, openai_error(message, status=502)) from exc
@@ -344,32 +354,40 @@ class Upstream:
     ) -> Response:
         """Relay one request untouched and stream the answer back."""
         pairs = _without_hop_by_hop(headers)
-        sent = [(k, v) for k, v in pairs if k != "content-length"]
+        # The body is read whole already; "expect: 100-continue" would wait on the upstream.
+        sent = [(k, v) for k, v in pairs if k not in ("content-length", "expect")]
         if not any(k == "accept-encoding" for k, _ in sent):
             sent.append(("accept-encoding", "identity"))  # not aiohttp's default: relay as is
-        url = self.url(path) + (f"?{query}" if query else "")
+        # As the caller wrote it: yarl would decode "%2E" and then drop the dot segments.
+        url = yarl.URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
         try:
-            response = await self.session.request(
-                method, url, headers=sent, data=body or None, allow_redirects=False
-            )
-        except TRANSPORT_ERRORS as exc:
+            async with bounded(self.read_timeout):
+                response = await self.session.request(
+                    method,
+                    url,
+                    headers=sent,
+                    data=payload(body) if body else None,
+                    allow_redirects=False,
+                )
+        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as exc:
             error = self._failure(route, exc, started=False)
             return Response(orjson.dumps(error.body), error.status, media_type="application/json")
         self._on_call(route, str(response.status))
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for data in response.content.iter_any():
+                async for data in body_of(response, self.read_timeout):
                     yield data
             finally:
                 response.release()
 
-        relayed = _Relay(relay(), status_code=response.status)
         extra = [(k.lower(), v) for k, v in (extra_headers or {}).items()]
         replaced = {k for k, _ in extra}
-        back = [p for p in _without_hop_by_hop(response.headers.items()) if p[0] not in replaced]
-        back += extra
-        relayed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in back]
+        # The upstream's header bytes as they came (latin-1 maps every byte to a character).
+        raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]
+        back = [p for p in _without_hop_by_hop(raw) if p[0] not in replaced]
+        relayed = _Relay(relay(), status_code=response.status)
+        relayed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in back + extra]
         return relayed
 
 
