@@ -99,7 +99,9 @@ def test_the_environment_names_the_upstreams_proxy_unless_no_proxy_spares_its_ho
     assert env_proxy("https://127.0.0.5:8443/v1") is None
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
     assert env_proxy("https://127.0.0.5:8443/v1") == "http://127.0.0.1:3128"
-    assert env_proxy("http://127.0.0.5:8000/v1") is None  # no HTTP_PROXY
+    assert env_proxy("http://127.0.0.5:8000/v1") is None  # no HTTP_PROXY nor ALL_PROXY
+    monkeypatch.setenv("ALL_PROXY", "127.0.0.1:3129")  # no scheme: http://
+    assert env_proxy("http://127.0.0.5:8000/v1") == "http://127.0.0.1:3129"
     monkeypatch.setenv("NO_PROXY", "127.0.0.5")
     assert env_proxy("https://127.0.0.5:8443/v1") is None
 
