@@ -433,3 +433,52 @@ async def test_a_takeover_of_a_stream_that_had_chunks_counts_as_a_new_attempt(
     assert info.attempts == 2
     gate.set()
     assert await task == [1]
+
+
+async def test_a_follower_reads_back_only_when_chunks_came_before_its_join(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """A stream follower that joined before the first chunk reads nothing back: its join
+    queued its node in waiters, so every chunk is published to it. One that joined after
+    chunks were appended reads them at once (while the producer pauses), in one read.
+    ``XRANGE`` counted on the wire with MONITOR (the owner never sends one)."""
+    from .helpers.monitor import CommandLog
+
+    caches = [FlightCache(private_server.url, namespace=namespace) for _ in range(3)]
+    owner, early, late = caches
+    start, more = asyncio.Event(), asyncio.Event()
+
+    async def produce() -> AsyncIterator[int]:
+        await start.wait()
+        for n in range(3):
+            yield n
+        await more.wait()
+        yield 3
+
+    log = None
+    try:
+        for fc in caches:
+            await fc.get("warm-up")  # listeners subscribed before any waiter exists
+        log = CommandLog("127.0.0.1", private_server.port)
+        own = asyncio.ensure_future(collect(owner.stream("q", produce)))
+        await wait_for_flight(owner, "q")
+        early_stream = early.stream("q", produce)
+        assert await early_stream.opened() == "COALESCED"
+        start.set()
+        early_chunks = [await asyncio.wait_for(anext(early_stream), 5) for _ in range(3)]
+        late_stream = late.stream("q", produce)
+        assert await late_stream.opened() == "COALESCED"
+        late_chunks = [await asyncio.wait_for(anext(late_stream), 5) for _ in range(3)]
+        await asyncio.sleep(0.2)  # let MONITOR catch up
+        reads = sum(n for (_, cmd), n in log.commands.items() if cmd == "XRANGE")
+        more.set()
+        assert await own == [0, 1, 2, 3]
+        assert early_chunks + await collect(early_stream) == [0, 1, 2, 3]
+        assert late_chunks + await collect(late_stream) == [0, 1, 2, 3]
+    finally:
+        if log is not None:
+            log.close()
+        for fc in caches:
+            await fc.aclose()
+    assert early_chunks == late_chunks == [0, 1, 2]
+    assert reads == 1, log.commands  # the late joiner's, none for the early one

@@ -97,8 +97,11 @@ class Follower:
         are fenced), so no token needs checking here. No connection is held while waiting.
         """
         last_id = state.last_id  # every event that can end this flight comes after it
-        if not job.inline_ok:
-            waiter.lost()  # a stream: chunks appended before the join are read at once
+        if not job.inline_ok and state.newest != state.last_id:
+            # A stream with chunks appended before the join: read them at once. With none
+            # (the join saw its claim entry as the newest), every later append publishes to
+            # this node, queued in waiters by that same join: nothing to read back.
+            waiter.lost()
         rechecks = self.rechecks
         # (the claim followed: its `claimed` entry, the join's `from_id`, then the last one)
         entry = rechecks.add(

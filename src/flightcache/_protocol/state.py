@@ -42,6 +42,7 @@ class State:
     leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
     cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
     attempts: int = 0  # CLAIMED: 1 for a flight's first claim, one more per takeover
+    newest: bytes | None = None  # FOLLOW: the stream's newest entry at the join (None: unknown)
 
 
 def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
@@ -82,6 +83,7 @@ def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
             lease_left_ms=max(int(reply[2]), 0),
             rank=int(reply[3]),
             last_id=reply[4],
+            newest=reply[5] if len(reply) > 5 else None,
         )
     return State(VACANT, rank=int(reply[1]))
 

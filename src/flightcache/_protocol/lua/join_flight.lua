@@ -21,12 +21,14 @@
 --                                           hit: the stored value (or error record), its
 --                                           PTTL, 1 while an invalidation marks it (serve,
 --                                           do not lease), the loader's cost (0: unknown)
---         {2, token, lease_left_ms, rank, from_id}
+--         {2, token, lease_left_ms, rank, from_id, newest_id}
 --                                           follow: a flight is live; token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
 --                                           waiters at 0-based position `rank`; `from_id` is
 --                                           this flight's `claimed` event: every chunk and
---                                           the end of the flight come after it
+--                                           the end of the flight come after it; `newest_id`
+--                                           the stream's newest entry (`from_id` itself when
+--                                           nothing came after it: no chunk to read back)
 --         {3, attempts, entry, token, lease_left_ms}
 --                                           claimed: with KEYS[7], meta is RUNNING under the
 --                                           new token; without, token is '' and meta is
@@ -88,7 +90,8 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   end
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
-  return {2, token, redis.call('PTTL', KEYS[2]), rank, from}
+  local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
+  return {2, token, redis.call('PTTL', KEYS[2]), rank, from, newest[1] and newest[1][1] or from}
 end
 if ARGV[3] == 'mine' or (ARGV[3] == 'first' and rank ~= 0) then
   return {0, rank or -1}
