@@ -1,6 +1,6 @@
 """HTTP around the library: the OpenAI-compatible gateway and its test double (docs/gateway.md).
 
-Needs the ``gateway`` extra (Starlette, uvicorn, httpx): ``pip install 'flightcache[gateway]'``.
+Needs the ``gateway`` extra (Starlette, uvicorn, aiohttp): ``pip install 'flightcache[gateway]'``.
 The core package never imports this one.
 
 - ``_mock``: ``flightcache mock-upstream``, a test double of an OpenAI-compatible API.
