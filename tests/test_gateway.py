@@ -569,6 +569,48 @@ async def test_a_cut_stream_is_an_error_for_every_caller_and_not_cached(
     assert retry.status == 200 and retry.cache == "MISS" and len(retry.text.split()) == 32
 
 
+async def test_a_client_that_hangs_up_mid_stream_is_let_go_and_the_flight_goes_on(
+    fleet: Fleet, upstream: str
+) -> None:
+    """A stream client that hangs up after two events: its replica stops serving it at once
+    (its request leaves the in-flight gauge long before the answer ends), while the flight
+    goes on: the other caller gets the whole answer from one upstream call, and the answer
+    is stored."""
+    control(upstream, tokens_per_s=10)  # 32 tokens: more than 3 s
+    body = {**chat("hang-up"), "stream": True}
+
+    async def in_flight(client: httpx.AsyncClient, gateway: Gateway) -> float:
+        text = (await client.get(f"{gateway.url}/metrics")).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "flightcache_gateway_requests_in_flight":
+                return float(family.samples[0].value)
+        raise AssertionError("no in-flight gauge")
+
+    async with httpx.AsyncClient(timeout=20) as client:
+        stayer = asyncio.ensure_future(ask(client, fleet.a.url, body))
+        await wait_calls(client, upstream, 1)
+        headers = {"authorization": f"Bearer {KEY}"}
+        url = fleet.b.url + "/v1/chat/completions"
+        events = 0
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            assert response.headers["x-cache"] == "COALESCED"
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events == 2:
+                    break  # leaving the block closes the connection mid-answer
+            assert await in_flight(client, fleet.b) == 1
+        deadline = time.monotonic() + 2
+        while await in_flight(client, fleet.b) != 0:
+            assert time.monotonic() < deadline, "the replica kept serving a client that left"
+            await asyncio.sleep(0.02)
+        assert not stayer.done()  # let go long before the answer ended
+        stayed = await stayer
+        hit = await ask(client, fleet.b.url, body)
+        assert (await astats(client, upstream))["calls"] == 1
+    assert stayed.status == 200 and stayed.done and len(stayed.text.split()) == 32
+    assert hit.cache == "HIT" and hit.text == stayed.text
+
+
 async def test_an_upstream_that_does_not_answer_is_a_504(fleet: Fleet, upstream: str) -> None:
     control(upstream, mode="hang", hang_s=10, times=1)
     body = chat("hang")
