@@ -5,6 +5,7 @@ inside their handlers."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -227,4 +228,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         f"flightcache gateway listening on {{url}} (upstream {_shown_url(args.upstream)}, "
         f"cache on {cache}, namespace {args.namespace})"
     )
+    # What exists now (the modules, the app) lives as long as the process: frozen, the
+    # cyclic GC's full collections no longer walk it. In the 1,000-stream bench phase this
+    # took about 6 % off the replicas' CPU (docs/gateway.md, limits).
+    gc.freeze()
     return _listen(args, serve, app, banner, log_level=args.log_level)
