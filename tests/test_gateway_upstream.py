@@ -110,7 +110,7 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 
 
 @contextlib.asynccontextmanager
-async def raw_upstream(handler: Handler, **limits: float) -> AsyncIterator[Upstream]:
+async def raw_upstream(handler: Handler, read_timeout: float = 0.5) -> AsyncIterator[Upstream]:
     """An ``Upstream`` (``read_timeout`` 0.5 s unless given) on a raw TCP server whose
     every connection ``handler`` serves."""
     connections: list[asyncio.StreamWriter] = []
@@ -122,7 +122,6 @@ async def raw_upstream(handler: Handler, **limits: float) -> AsyncIterator[Upstr
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    read_timeout = limits.get("read_timeout", 0.5)
     try:
         async with upstream_session(
             url, max_connections=4, upstream_timeout=read_timeout, connect_timeout=2

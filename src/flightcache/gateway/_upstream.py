@@ -80,6 +80,8 @@ KEPT_ERROR_PREFIXES = ("x-ratelimit-",)
 MAX_ERROR_BODY = 64 * 1024
 REST_S = 1.0  # how long a stream's body is read past its end marker (see _rest_of)
 NEVER_CACHED = frozenset({401, 403, 408, 409, 429})
+# What sending a request (or reading on, bounded) raises: a transport error or its bound.
+SEND_ERRORS = (*TRANSPORT_ERRORS, asyncio.TimeoutError)
 
 OnCall = Callable[[str, str], None]  # (route, status or failure kind)
 
@@ -258,6 +260,20 @@ class Upstream:
         headers = _kept_error_headers(response.headers)
         return UpstreamError(status, body, headers, error_ttl=self.error_ttl(status))
 
+    async def _send(
+        self, method: str, url: str | yarl.URL, headers: Any, body: bytes
+    ) -> aiohttp.ClientResponse:
+        """One request, until its headers come back, within ``read_timeout`` (aiohttp bounds
+        no write); one of ``SEND_ERRORS`` if it fails."""
+        async with bounded(self.read_timeout):
+            return await self.session.request(
+                method,
+                url,
+                headers=headers,
+                data=payload(body) if body else None,
+                allow_redirects=False,
+            )
+
     @contextlib.asynccontextmanager
     async def _post(
         self, route: str, path: str, body: Any, headers: Mapping[str, str]
@@ -267,14 +283,8 @@ class Upstream:
         reads the body becomes one too)."""
         sent = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
         try:
-            async with bounded(self.read_timeout):  # aiohttp bounds no write
-                response = await self.session.post(
-                    self.url(path),
-                    data=payload(orjson.dumps(body)),
-                    headers=sent,
-                    allow_redirects=False,
-                )
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as exc:
+            response = await self._send("POST", self.url(path), sent, orjson.dumps(body))
+        except SEND_ERRORS as exc:
             raise self._failure(route, exc, started=False) from exc
         try:
             self._on_call(route, str(response.status))
@@ -361,15 +371,8 @@ class Upstream:
         # As the caller wrote it: yarl would decode "%2E" and then drop the dot segments.
         url = yarl.URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
         try:
-            async with bounded(self.read_timeout):
-                response = await self.session.request(
-                    method,
-                    url,
-                    headers=sent,
-                    data=payload(body) if body else None,
-                    allow_redirects=False,
-                )
-        except (*TRANSPORT_ERRORS, asyncio.TimeoutError) as exc:
+            response = await self._send(method, url, sent, body)
+        except SEND_ERRORS as exc:
             error = self._failure(route, exc, started=False)
             return Response(orjson.dumps(error.body), error.status, media_type="application/json")
         self._on_call(route, str(response.status))
@@ -409,8 +412,9 @@ async def _rest_of(lines: AsyncIterator[str]) -> None:
         async for _ in lines:
             pass
 
-    with contextlib.suppress(*TRANSPORT_ERRORS, asyncio.TimeoutError):
-        await asyncio.wait_for(read_all(), REST_S)
+    with contextlib.suppress(*SEND_ERRORS):
+        async with bounded(REST_S):  # in this task: no task of its own a stream
+            await read_all()
 
 
 async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
