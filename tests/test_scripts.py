@@ -55,6 +55,40 @@ async def test_append_chunks_with_a_stale_token_is_refused_and_writes_nothing(
     assert await redis_client.lrange(fk.waiters, 0, -1) == [b"some-node"]
 
 
+async def test_complete_flight_with_trailing_chunks_and_a_stale_token_writes_nothing(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The chunks a stream's completion carries are written after the token check, in the
+    same script: a stale owner's last chunks land nowhere. The current owner's land before
+    its ``done``, numbered on from the ones appended before."""
+    fc = make_cache()
+    await fc.get("warm-up")
+    conn = fc._conn
+    fk = fc.keyspace.flight("q")
+    await redis_client.hset(fk.meta, mapping={"ownerToken": "7", "status": "RUNNING"})
+    keys = (fk.result, fk.meta, fk.stream, fk.waiters, fk.cost)
+
+    def args(token: int) -> tuple[Any, ...]:
+        # token, value, ttl, inline, linger, count, cost, prefix, digest, limit, claim id,
+        # first trailing sequence number, trailing chunks
+        prefix, digest = fc.keyspace.wake_prefix, fk.digest
+        stored = (token, b'S["a","b"]', 60_000, "0", 10_000, "2", 5, prefix, digest, 65536)
+        return (*stored, "", 0, b'"a"', b'"b"')
+
+    assert await conn.script(LUA["complete_flight"], fk, keys, args(6)) == 0
+    assert await redis_client.exists(fk.stream, fk.result) == 0  # no chunk, no done, no value
+    assert await redis_client.hget(fk.meta, "ownerToken") == b"7"
+
+    assert await conn.script(LUA["complete_flight"], fk, keys, args(7)) == 1
+    events = await _stream_events(redis_client, fk.stream)
+    assert [(e[b"t"], e.get(b"s"), e.get(b"v")) for e in events] == [
+        (b"chunk", b"0", b'"a"'),
+        (b"chunk", b"1", b'"b"'),
+        (b"done", None, None),
+    ]
+    assert events[-1][b"n"] == b"2"
+
+
 async def test_fail_flight_reset_with_a_stale_token_is_refused_and_writes_nothing(
     make_cache: Any, redis_client: aioredis.Redis
 ) -> None:

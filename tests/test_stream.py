@@ -482,3 +482,45 @@ async def test_a_follower_reads_back_only_when_chunks_came_before_its_join(
             await fc.aclose()
     assert early_chunks == late_chunks == [0, 1, 2]
     assert reads == 1, log.commands  # the late joiner's, none for the early one
+
+
+async def test_the_chunks_a_stream_makes_as_it_ends_ride_its_completion(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """Chunks still unsent when the producer ends are appended by ``complete_flight`` itself,
+    before the done event, in the same script call: a producer that makes its three chunks
+    at once costs its owner two scripts on the wire (the join and the completion, no
+    ``append_chunks``), and a follower in another process sees the three chunks, in order,
+    and the end. Script calls counted with MONITOR."""
+    from .helpers.monitor import CommandLog
+
+    owner, follower = (FlightCache(private_server.url, namespace=namespace) for _ in range(2))
+    start = asyncio.Event()
+
+    async def produce() -> AsyncIterator[int]:
+        await start.wait()
+        for n in range(3):
+            yield n
+
+    log = None
+    try:
+        for fc in (owner, follower):
+            await fc.get("warm-up")  # listeners subscribed before any waiter exists
+        log = CommandLog("127.0.0.1", private_server.port)
+        own = asyncio.ensure_future(collect(owner.stream("q", produce)))
+        await wait_for_flight(owner, "q")
+        followed = follower.stream("q", produce)
+        assert await followed.opened() == "COALESCED"
+        start.set()
+        assert await asyncio.wait_for(own, 10) == [0, 1, 2]
+        assert await asyncio.wait_for(collect(followed), 10) == [0, 1, 2]
+        await asyncio.sleep(0.2)  # let MONITOR catch up
+        scripts = sum(n for (_, cmd), n in log.commands.items() if cmd == "EVALSHA")
+        reads = sum(n for (_, cmd), n in log.commands.items() if cmd == "XRANGE")
+    finally:
+        if log is not None:
+            log.close()
+        for fc in (owner, follower):
+            await fc.aclose()
+    assert scripts == 3, log.commands  # the owner's join and completion, the follower's join
+    assert reads == 0, log.commands  # the follower read nothing back: it was told it all

@@ -34,6 +34,7 @@ class LoaderJob:
 
     inline_ok = True  # a small value may ride inside the done event
     batched = False  # a do_many key: its completion goes out with its batch's
+    tail: tuple[int, Sequence[bytes]] = (0, ())  # no chunks ride the completion
 
     def __init__(
         self,
@@ -111,7 +112,9 @@ class StreamJob:
 
     The owner publishes each chunk to its own process at once and to other processes
     through ``append``, batching whatever the producer made while the previous append was
-    on the wire (one fenced script call per batch, in order).
+    on the wire (one fenced script call per batch, in order). The chunks still unsent when
+    the producer ends are left in ``tail`` for the completion to carry: the stream's end
+    costs one round trip, not an append and then the completion.
     """
 
     inline_ok = False  # followers have the chunks already
@@ -128,6 +131,7 @@ class StreamJob:
         self.lease: tuple[float, int] | None = None  # streams are not near-cached
         self.cost_ms: int | None = None
         self.key: Any = None
+        self.tail: tuple[int, Sequence[bytes]] = (0, ())  # (first seq, encoded chunks)
 
     async def run(self, append: Append | None, context: FlightContext) -> bytes:
         self.local.opened(MISS)
@@ -139,12 +143,14 @@ class StreamJob:
         size = STREAM_OVERHEAD  # the stored list: tags, brackets and one separator a chunk
         limit = self.envelope.max_value_bytes
         flusher: asyncio.Future[None] | None = None
+        ending = False  # the producer has ended: what is pending rides the completion
 
         async def drain() -> None:
-            """Send everything pending, batch after batch, until nothing is left."""
+            """Send everything pending, batch after batch, until nothing is left (or, once
+            the producer has ended, until the append on the wire is back)."""
             nonlocal sent
             assert append is not None
-            while pending:
+            while pending and not ending:
                 batch = pending[:]
                 del pending[:]
                 await append(sent, batch)
@@ -178,10 +184,10 @@ class StreamJob:
             if flusher is not None:
                 flusher.cancel()
             raise
+        ending = True
         if flusher is not None:
-            await flusher
-        if pending:
-            await drain()
+            await flusher  # the batch on the wire, if any: chunks stay in order
+        self.tail = (sent, tuple(pending))
         return self.envelope.encode_stream(chunks, key=self.digest)
 
     def on_follow(self, claim_entry: bytes) -> None:

@@ -11,6 +11,9 @@
 -- ARGV[7] how long the loader ran, ms (kept beside the result for refresh-ahead)
 -- ARGV[8] wake channel prefix   ARGV[9] digest   ARGV[10] wake message limit (bytes)
 -- ARGV[11] claim id ('' where the join took the token itself)
+-- ARGV[12] sequence number of the first trailing chunk   ARGV[13...] encoded chunks: a
+--          stream's last chunks, appended as append_chunks would before the done event
+--          (absent: none)
 -- The done event carries `x` (the result's TTL ms) and `c` (ARGV[7]), or `nc` = 1 when
 -- the result was not stored.
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
@@ -19,6 +22,15 @@
 -- include: _fence.lua
 if not owns(KEYS[2], ARGV[1], ARGV[11] or '') then
   return 0
+end
+local w = wake_start(KEYS[4], KEYS[3])
+if #ARGV > 12 then
+  local seq = tonumber(ARGV[12])
+  for i = 13, #ARGV do
+    local chunk = {'t', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i]}
+    wake_add(w, redis.call('XADD', KEYS[3], '*', unpack(chunk)), chunk)
+    seq = seq + 1
+  end
 end
 local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidated') ~= '1'
 local event = {'t', 'done', 'tok', ARGV[1]}
@@ -41,7 +53,6 @@ if ARGV[6] ~= '' then
   table.insert(event, 'n')
   table.insert(event, ARGV[6])
 end
-local w = wake_start(KEYS[4], KEYS[3])
 wake_add(w, redis.call('XADD', KEYS[3], '*', unpack(event)), event)
 redis.call('PEXPIRE', KEYS[3], ARGV[5])
 wake_send(w, ARGV[8], ARGV[9], ARGV[10])
