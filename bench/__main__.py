@@ -30,6 +30,9 @@ from . import (
     _near,
     _protect,
     _report,
+    _report_api,
+    _report_cluster,
+    _report_scale,
     _scale,
     _sdk,
     _stampede,
@@ -249,16 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                 callers=args.callers,
                 rounds=args.rounds or stampede_rounds,
             )
-            _report.print_cluster(cluster, stampede["wake_lag_ms"] if stampede else None)
+            _report_cluster.print_cluster(cluster, stampede["wake_lag_ms"] if stampede else None)
             ring_figures = _cluster.run_ring(**ring)
-            _report.print_ring(ring_figures)
+            _report_cluster.print_ring(ring_figures)
         if not args.skip_protect:
             bloom_figures = asyncio.run(_protect.run_bloom(server.url, **bloom))
             ahead_figures = asyncio.run(_protect.run_refresh_ahead(server.url, **ahead))
-            _report.print_protect(bloom_figures, ahead_figures)
+            _report_cluster.print_protect(bloom_figures, ahead_figures)
         if not args.skip_scale:
             scale_figures = asyncio.run(_scale.run(server.url, **scale))
-            _report.print_scale(scale_figures)
+            _report_scale.print_scale(scale_figures)
         if not args.skip_sync:
             sync_stampede = _sync.run_stampede(
                 server.url,
@@ -270,24 +273,24 @@ def main(argv: list[str] | None = None) -> int:
                 "hit_path": _sync.run_hits(server.url, **sync_hit),
                 "stampede": asyncio.run(sync_stampede),
             }
-            _report.print_sync(sync_figures)
+            _report_api.print_sync(sync_figures)
         if not args.skip_sdk:
             sdk_figures = asyncio.run(_sdk.run(server.url, processes=args.processes, **sdk))
-            _report.print_sdk(sdk_figures)
+            _report_api.print_sdk(sdk_figures)
         if not args.skip_batch:
             batch_figures = asyncio.run(_batch.run(server.url, **batch))
-            _report.print_batch(batch_figures)
+            _report_api.print_batch(batch_figures)
         if not args.skip_telemetry:
             telemetry_figures = asyncio.run(_telemetry.run(server.url, **telemetry))
             _telemetry.print_telemetry(telemetry_figures)
     finally:
         server.stop()
     rows = _report.targets(stampede, hitpath, gateway_figures, near_figures)
-    rows += _report.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
-    rows += _report.sync_targets(sync_figures)
-    rows += _report.batch_targets(batch_figures)
-    rows += _report.sdk_targets(sdk_figures)
-    rows += _report.scale_key_targets(scale_figures)
+    rows += _report_cluster.scale_targets(cluster, ring_figures, bloom_figures, ahead_figures)
+    rows += _report_api.sync_targets(sync_figures)
+    rows += _report_api.batch_targets(batch_figures)
+    rows += _report_api.sdk_targets(sdk_figures)
+    rows += _report_scale.scale_key_targets(scale_figures)
     _report.print_targets(rows)
     elapsed = time.monotonic() - started
     print(f"\n(run took {elapsed:.1f} s)")
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             m = ahead_figures[mode]
             broken = broken or bool(m["errors"]) or m["most_runs_at_once"] > 1
     if scale_figures is not None:
-        broken = broken or _report.scale_keys_broken(scale_figures)
+        broken = broken or _report_scale.scale_keys_broken(scale_figures)
     if sync_figures is not None:
         s = sync_figures["stampede"]
         broken = broken or any(r != 1 for r in s["loader_runs_per_round"]) or bool(s["errors"])
