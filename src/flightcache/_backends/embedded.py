@@ -50,10 +50,20 @@ def server_binary() -> str:
 STREAM_NODE_MAX_BYTES = 192
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# A cluster node also listens on its port + 10000 (the cluster bus), so it refuses a port
+# above this; the kernel hands out ports up to 60999 (Linux's default ephemeral range).
+CLUSTER_MAX_PORT = 55535
+
+
+def free_port(host: str = "127.0.0.1", *, highest: int = 65535) -> int:
+    """A port that was free on ``host`` a moment ago, at most ``highest``."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port <= highest:
+            return port
+    raise BackendUnavailable(f"no free port at most {highest} on {host}")
 
 
 class EmbeddedServer:
@@ -66,10 +76,12 @@ class EmbeddedServer:
         host: str = "127.0.0.1",
         port: int = 0,
         extra_args: tuple[str, ...] = (),
+        highest_port: int = 65535,
     ) -> None:
         self.binary = binary or server_binary()
         self.host = host
         self.extra_args = extra_args
+        self.highest_port = highest_port  # for a port chosen at start
         self.fixed_port = port  # 0: a free port, chosen at start
         self.port = port
         self.proc: subprocess.Popen[bytes] | None = None
@@ -109,7 +121,7 @@ class EmbeddedServer:
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         self._dir = tempfile.mkdtemp(prefix="flightcache-server-")
         for _attempt in range(5):
-            self.port = self.fixed_port or free_port(self.host)
+            self.port = self.fixed_port or free_port(self.host, highest=self.highest_port)
             self.proc = subprocess.Popen(
                 self._command(self._dir),
                 stdin=subprocess.DEVNULL,
@@ -207,6 +219,7 @@ class EmbeddedCluster:
                     "--repl-diskless-sync-delay",
                     "0",
                 ),
+                highest_port=CLUSTER_MAX_PORT,
             )
             for _ in range(masters * (1 + replicas))
         ]
