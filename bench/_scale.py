@@ -17,60 +17,34 @@ in flight at once (docs/protocol.md, "Waiting, claiming and renewing at scale").
 - Memory: once the follower has joined every flight (its ``follows`` counter), ``MEMORY
   USAGE`` (``SAMPLES 0``) of each flight's meta, stream and waiters keys, per flight; and
   ``INFO memory`` ``used_memory`` growth since before the flights, per flight.
-- Misses: in this process, ``miss_keys`` distinct keys asked once each, ``concurrency`` at a
-  time, loader returning at once: ``fc.do`` next to plain redis-py GET, then SET on a miss,
-  in rounds that alternate the order; the ratio is taken within each round. Commands per
-  miss: ``INFO commandstats`` (everything the server ran, inside Lua too) and
-  ``fc.stats["commands"]`` over the timed rounds, and the commands sent on the wire for
-  ``monitor_keys`` more misses of each, seen by ``MONITOR``.
-- Streams: the gateway phase's mock upstream and two ``flightcache serve`` replicas
-  (``bench._gateway``); ``streams`` distinct prompts, each asked of both replicas at once
-  (``in_flight`` prompts at a time), every stream read to its end. Upstream calls (the
-  mock's ``GET /stats``), clients served, the same text as the upstream's, and wall time.
-  Baseline, same run: the same clients sending the same requests to the mock directly.
+
+The misses (``_scale_misses.py``) and the streams through two gateways
+(``_scale_streams.py``) are parts of the same phase.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import itertools
-import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
-import orjson
 import redis.asyncio as aioredis
 
-from flightcache import FlightCache
 from flightcache._keys import KeySpace
 
 from . import _orders
 from ._gateway import (
-    CLIENT_SHARE,
-    HEADERS,
-    LATENCY_MS,
-    TEXT_TOKENS,
-    TOKENS_PER_S,
-    StreamResult,
-    _body,
     _cpu_seconds,
-    _Mock,
-    _pick,
     _server_cpu,
-    _start,
-    _stream,
 )
 from ._orders import Worker
-from ._rounds import ratio
-from ._services import Service, stop_all
-from ._stampede import Monitor
-from ._util import CONTROL_COMMANDS, SETUP_COMMANDS, command_calls, delta, median, summary
+from ._probes import ConnectionPeak, _commandstats
+from ._scale_misses import run_misses
+from ._scale_streams import run_streams
+from ._util import delta, summary
 
 LEASE_S = 3.0
 SINGLE_LOADER_S = 0.3  # the single-key baseline's loader
@@ -80,63 +54,7 @@ SINGLE_LOADER_S = 0.3  # the single-key baseline's loader
 FIRST_ROUNDS = 20
 _PHASES = itertools.count()  # each many-keys phase its own keys
 BURST_LOADER_S = 5.0  # the owner burst's loader
-TTL_S = 600
-BLOCKING = frozenset({"xread", "xreadgroup", "blpop", "brpop", "blmove", "bzpopmin", "wait"})
 MEMORY_KEYS = ("meta", "stream", "waiters")
-
-
-class ConnectionPeak:
-    """Samples ``CLIENT LIST`` every ``interval`` while in use: the most connections whose
-    client name names process ``pid`` (``flightcache:<host>:<pid>:<hex>[:listen]``), the
-    most of them in a blocking command, and the most listener connections."""
-
-    def __init__(self, ctl: aioredis.Redis, pid: int, interval: float = 0.1) -> None:
-        self.ctl, self.pid, self.interval = ctl, pid, interval
-        self.peak = self.blocked = self.listeners = self.samples = 0
-
-    async def sample(self) -> None:
-        mark = f":{self.pid}:"
-        mine = [c for c in await self.ctl.client_list() if mark in str(c.get("name", ""))]
-        self.peak = max(self.peak, len(mine))
-        self.blocked = max(self.blocked, sum(c.get("cmd") in BLOCKING for c in mine))
-        self.listeners = max(self.listeners, sum(str(c["name"]).endswith(":listen") for c in mine))
-        self.samples += 1
-
-    async def _run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.sample()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval)
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[ConnectionPeak]:
-        # Stopped by an event, not by cancelling it mid-command: redis-py may turn a
-        # cancellation inside a command into a timeout, which its retry then swallows.
-        stop = asyncio.Event()
-        task = asyncio.create_task(self._run(stop))
-        try:
-            yield self
-        finally:
-            stop.set()
-            try:
-                await asyncio.wait_for(task, 10)
-            finally:
-                task.cancel()
-            await self.sample()
-
-    def figures(self) -> dict[str, int]:
-        return {
-            "peak": self.peak,
-            "blocked_peak": self.blocked,
-            "listeners": self.listeners,
-            "samples": self.samples,
-        }
-
-
-async def _commandstats(ctl: aioredis.Redis) -> dict[str, int]:
-    """``INFO commandstats`` calls, without the bench's own and connection setup."""
-    calls = command_calls(await ctl.info("commandstats"))
-    return {n: v for n, v in calls.items() if n not in CONTROL_COMMANDS | SETUP_COMMANDS}
 
 
 # -- many flights followed, renewals, memory ------------------------------------------------
@@ -475,287 +393,6 @@ async def run_flights(
         "many_keys_steady": steady,
         "many_keys_ending_together": together,
         "owner_burst": burst,
-    }
-
-
-# -- misses/s -------------------------------------------------------------------------------
-
-Op = Callable[[str, int], Awaitable[Any]]
-
-
-async def _load(i: int) -> dict[str, int]:
-    return {"i": i}
-
-
-async def _each_once(op: Op, prefix: str, keys: int, concurrency: int) -> dict[str, Any]:
-    """``op(f"{prefix}:{i}", i)`` for every ``i`` once, ``concurrency`` at a time."""
-    next_i = wrong = 0
-    errors: list[str] = []
-
-    async def one() -> None:
-        nonlocal next_i, wrong
-        while next_i < keys:
-            i = next_i
-            next_i += 1
-            try:
-                value = await op(f"{prefix}:{i}", i)
-            except Exception as exc:  # counted, not raised: the report shows them
-                errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            wrong += value != {"i": i}
-
-    cpu = time.process_time()
-    started = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(one() for _ in range(concurrency))), 120)
-    elapsed = time.perf_counter() - started
-    return {
-        "keys": keys,
-        "seconds": elapsed,
-        "per_s": keys / elapsed,
-        "cpu_us": (time.process_time() - cpu) / keys * 1e6,
-        "wrong": wrong,
-        "errors": errors[:5],
-        "error_count": len(errors),
-    }
-
-
-async def _on_the_wire(
-    ctl: aioredis.Redis, url: str, ops: dict[str, Op], run_id: str, keys: int, concurrency: int
-) -> dict[str, dict[str, float]]:
-    """Commands sent per miss (top level, connection setup left out), seen by MONITOR."""
-    monitor = Monitor(url)
-    out: dict[str, dict[str, float]] = {}
-    try:
-        await monitor.start()
-        for name, op in ops.items():
-            start, end = f"bench-miss-{run_id}-{name}-start", f"bench-miss-{run_id}-{name}-end"
-            await ctl.echo(start)
-            await _each_once(op, f"wire:{run_id}:{name}", keys, concurrency)
-            await ctl.echo(end)
-            lo, hi = await monitor.wait_for_marker(start), await monitor.wait_for_marker(end)
-            sent = Counter(
-                entry[2]
-                for entry in monitor.entries[lo + 1 : hi]
-                if entry[0] != "lua" and entry[2] not in SETUP_COMMANDS
-            )
-            out[name] = {n: v / keys for n, v in sorted(sent.items())}
-    finally:
-        await monitor.stop()
-    return out
-
-
-async def run_misses(
-    url: str, *, keys: int = 5_000, rounds: int = 3, concurrency: int = 100, monitor_keys: int = 100
-) -> dict[str, Any]:
-    run_id = uuid.uuid4().hex[:8]
-    ctl = aioredis.Redis.from_url(url)
-    raw = aioredis.Redis.from_url(url)
-    fc = FlightCache(url, namespace=f"bench-miss-{run_id}", near_cache=False, node_ttl=60.0)
-
-    async def get_then_set(key: str, i: int) -> Any:
-        cached = await raw.get(key)
-        if cached is not None:
-            return orjson.loads(cached)
-        value = await _load(i)
-        await raw.set(key, orjson.dumps(value), ex=TTL_S)
-        return value
-
-    def do(key: str, i: int) -> Awaitable[Any]:
-        return fc.do(key, functools.partial(_load, i), ttl=TTL_S)
-
-    ops: dict[str, Op] = {"get-set": get_then_set, "do": do}
-    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in ops}
-    try:
-        for name, op in ops.items():  # scripts loaded, connections open
-            await _each_once(op, f"warm:{run_id}:{name}", 4 * concurrency, concurrency)
-        for r in range(rounds):
-            for name in list(ops) if r % 2 == 0 else list(ops)[::-1]:
-                before, stats = await _commandstats(ctl), fc.stats
-                server_cpu = await _server_cpu(ctl)
-                got = await _each_once(ops[name], f"miss:{run_id}:{r}:{name}", keys, concurrency)
-                got["server_cpu_us"] = (await _server_cpu(ctl) - server_cpu) / keys * 1e6
-                ran = delta(before, await _commandstats(ctl))
-                got["server_commands"] = ran
-                got["client_commands"] = fc.stats["commands"] - stats["commands"]
-                samples[name].append(got)
-        wire = await _on_the_wire(ctl, url, ops, run_id, monitor_keys, concurrency)
-    finally:
-        await fc.aclose()
-        await raw.aclose()
-        await ctl.aclose()
-
-    def variant(name: str) -> dict[str, Any]:
-        runs = samples[name]
-        total = sum(r["keys"] for r in runs)
-        server = Counter[str]()
-        for r in runs:
-            server.update(r["server_commands"])
-        return {
-            "misses_per_s": median([r["per_s"] for r in runs]),
-            "samples": [r["per_s"] for r in runs],
-            "cpu_us_per_miss": median([r["cpu_us"] for r in runs]),
-            "server_cpu_us_per_miss": median([r["server_cpu_us"] for r in runs]),
-            "server_commands_per_miss": sum(server.values()) / total,
-            "server_by_name_per_miss": {n: v / total for n, v in sorted(server.items())},
-            "sent_per_miss_monitor": sum(wire[name].values()),
-            "sent_by_name_per_miss_monitor": wire[name],
-            "wrong": sum(r["wrong"] for r in runs),
-            "errors": [e for r in runs for e in r["errors"]][:5],
-            "error_count": sum(r["error_count"] for r in runs),
-        }
-
-    result = {name: variant(name) for name in ops}
-    result["do"]["client_commands_per_miss"] = sum(
-        r["client_commands"] for r in samples["do"]
-    ) / sum(r["keys"] for r in samples["do"])
-    return {
-        "config": {
-            "keys": keys,
-            "rounds": rounds,
-            "concurrency": concurrency,
-            "monitor_keys": monitor_keys,
-        },
-        **result,
-        "ratio": ratio(result["do"]["samples"], result["get-set"]["samples"]),
-    }
-
-
-# -- 1,000 distinct streams through two gateways --------------------------------------------
-
-
-async def _pass(
-    clients: list[httpx.AsyncClient],
-    targets: tuple[str, str],
-    prompts: list[str],
-    in_flight: int,
-) -> tuple[float, list[tuple[StreamResult, StreamResult]]]:
-    """Every prompt asked of both targets at once, ``in_flight`` prompts at a time; each
-    stream read to its end. The wall time and each prompt's two results."""
-    results: dict[int, tuple[StreamResult, StreamResult]] = {}
-    next_i = 0
-
-    async def slot(k: int) -> None:
-        nonlocal next_i
-        while next_i < len(prompts):
-            i = next_i
-            next_i += 1
-            body = _body(prompts[i], stream=True)
-            a, b = await asyncio.gather(
-                *(_stream(_pick(clients, 2 * k + j), targets[j], j, body, HEADERS) for j in (0, 1))
-            )
-            results[i] = (a, b)
-
-    started = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(slot(k) for k in range(in_flight))), 300)
-    return time.perf_counter() - started, [results[i] for i in range(len(prompts))]
-
-
-class CPU:
-    """CPU seconds spent by the mock, the two replicas, the Redis server and this process
-    over one pass (``/proc/<pid>/stat``, ``INFO cpu``, ``time.process_time``)."""
-
-    def __init__(self, ctl: aioredis.Redis, services: dict[str, Service]) -> None:
-        self.ctl, self.services = ctl, services
-        self.spent: dict[str, float] = {}
-
-    async def _now(self) -> dict[str, float]:
-        now = {name: _cpu_seconds(s.pid) for name, s in self.services.items()}
-        return {**now, "redis": await _server_cpu(self.ctl), "client": time.process_time()}
-
-    @contextlib.asynccontextmanager
-    async def measuring(self) -> AsyncIterator[CPU]:
-        before = await self._now()
-        yield self
-        after = await self._now()
-        self.spent = {name: after[name] - before[name] for name in before}
-
-
-def _served(results: list[tuple[StreamResult, StreamResult]]) -> dict[str, Any]:
-    flat = [r for pair in results for r in pair]
-    errors = [r.error for r in flat if r.error is not None]
-    return {
-        "requests": len(flat),
-        "served": sum(r.error is None for r in flat),
-        "errors": errors[:5],
-        "error_count": len(errors),
-        "x_cache": dict(sorted(Counter(r.cache for r in flat if r.cache).items())),
-        "latency_ms": summary([(r.ended - r.started) * 1000 for r in flat]),
-    }
-
-
-async def run_streams(
-    redis_url: str, *, streams: int = 1_000, in_flight: int = 100
-) -> dict[str, Any]:
-    run_id = uuid.uuid4().hex[:8]
-    services: list[Service] = []
-    client = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
-    clients = [
-        httpx.AsyncClient(timeout=httpx.Timeout(60.0))
-        for _ in range(math.ceil(2 * in_flight / CLIENT_SHARE))
-    ]
-    ctl = aioredis.Redis.from_url(redis_url)
-    prompts = [f"scale {run_id} {i}" for i in range(streams)]
-    try:
-        await _start(redis_url, f"bench-gws-{run_id}", services)
-        mock_service, gw_a, gw_b = services
-        mock = _Mock(client, mock_service)
-        await mock.control(
-            latency_ms=LATENCY_MS, tokens_per_s=TOKENS_PER_S, text_tokens=TEXT_TOKENS
-        )
-        gateways = (gw_a.url, gw_b.url)
-        # Every client's connections open, one flight through each replica, and the mock.
-        for name, urls in (("gateways", gateways), ("mock", (mock.url, mock.url))):
-            warm = [f"warm {run_id} {name} {k}" for k in range(in_flight)]
-            await _pass(clients, urls, warm, in_flight)
-
-        named = {"mock": mock_service, "gateway_a": gw_a, "gateway_b": gw_b}
-        direct_cpu, via_cpu = CPU(ctl, named), CPU(ctl, named)
-        before = await mock.calls()
-        async with direct_cpu.measuring():
-            direct_s, direct = await _pass(clients, (mock.url, mock.url), prompts, in_flight)
-        direct_calls = await mock.calls() - before
-
-        before = await mock.calls()
-        peaks = [ConnectionPeak(ctl, gw.pid, interval=0.25) for gw in (gw_a, gw_b)]
-        async with peaks[0].running(), peaks[1].running(), via_cpu.measuring():
-            via_s, via = await _pass(clients, gateways, prompts, in_flight)
-        via_calls = await mock.calls() - before
-    finally:
-        try:
-            await stop_all(services)
-        finally:
-            for c in (client, *clients):
-                await c.aclose()
-            await ctl.aclose()
-    texts = [a.text if a.error is None else b.text for a, b in direct]  # the upstream's
-    same_pair = sum(a.text == b.text for a, b in via)
-    same_as_upstream = sum(
-        a.text == t and b.text == t for (a, b), t in zip(via, texts, strict=True)
-    )
-    return {
-        "config": {
-            "streams": streams,
-            "in_flight": in_flight,
-            "mock_latency_ms": LATENCY_MS,
-            "mock_tokens_per_s": TOKENS_PER_S,
-            "mock_text_tokens": TEXT_TOKENS,
-        },
-        "gateway": {
-            **_served(via),
-            "upstream_calls": via_calls,
-            "seconds": via_s,
-            "both_replicas_same_text": same_pair,
-            "same_text_as_upstream": same_as_upstream,
-            "connections": [p.figures() for p in peaks],
-            "cpu_s": via_cpu.spent,
-        },
-        "direct": {
-            **_served(direct),
-            "upstream_calls": direct_calls,
-            "seconds": direct_s,
-            "cpu_s": direct_cpu.spent,
-        },
-        "wall_time_ratio": via_s / direct_s,
     }
 
 
