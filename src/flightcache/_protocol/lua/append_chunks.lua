@@ -6,16 +6,12 @@
 -- Each chunk becomes one event {t=chunk, tok, s, v}, in order.
 -- Returns 1 appended, 0 fenced: the token is not the current owner's, nothing was written
 -- include: _wake.lua
+-- include: _chunks.lua
 -- include: _fence.lua
 if not owns(KEYS[1], ARGV[1], ARGV[6]) then
   return 0
 end
 local w = wake_start(KEYS[3], KEYS[2])
-local seq = tonumber(ARGV[2])
-for i = 7, #ARGV do
-  local event = {'t', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i]}
-  wake_add(w, redis.call('XADD', KEYS[2], '*', unpack(event)), event)
-  seq = seq + 1
-end
+add_chunks(w, KEYS[2], ARGV[1], tonumber(ARGV[2]), 7)
 wake_send(w, ARGV[3], ARGV[4], ARGV[5])
 return 1

@@ -19,18 +19,14 @@
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
 -- the token is not the current owner's, nothing was written
 -- include: _wake.lua
+-- include: _chunks.lua
 -- include: _fence.lua
 if not owns(KEYS[2], ARGV[1], ARGV[11] or '') then
   return 0
 end
 local w = wake_start(KEYS[4], KEYS[3])
 if #ARGV > 12 then
-  local seq = tonumber(ARGV[12])
-  for i = 13, #ARGV do
-    local chunk = {'t', 'chunk', 'tok', ARGV[1], 's', seq, 'v', ARGV[i]}
-    wake_add(w, redis.call('XADD', KEYS[3], '*', unpack(chunk)), chunk)
-    seq = seq + 1
-  end
+  add_chunks(w, KEYS[3], ARGV[1], tonumber(ARGV[12]), 13)
 end
 local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidated') ~= '1'
 local event = {'t', 'done', 'tok', ARGV[1]}
