@@ -200,8 +200,6 @@ def print_scale(k: dict[str, Any]) -> None:
         ("direct", "direct to the upstream"),
     )
     for name, label in paths:
-        if name not in st:
-            continue  # figures of a run before the relayed pass
         v = st[name]
         lat = v["latency_ms"]
         print(
@@ -225,15 +223,14 @@ def print_scale(k: dict[str, Any]) -> None:
         f"Redis {via['redis']:.2f}, client {via['client']:.2f}; direct: mock "
         f"{direct['mock']:.2f}, client {direct['client']:.2f}"
     )
-    if "relayed" in st:
-        r = st["relayed"]
-        relay_cpu = r["cpu_s"]["gateway_a"] + r["cpu_s"]["gateway_b"]
-        print(
-            f"     relayed (X-Flightcache-Coalesce: off, each request proxied as it is): wall "
-            f"time ratio {st['relayed_wall_time_ratio']:.2f}; replicas {relay_cpu:.2f} CPU s "
-            f"({relay_cpu / r['requests'] * 1000:.1f} ms per stream), mock "
-            f"{r['cpu_s']['mock']:.2f}, client {r['cpu_s']['client']:.2f}"
-        )
+    r = st["relayed"]
+    relay_cpu = r["cpu_s"]["gateway_a"] + r["cpu_s"]["gateway_b"]
+    print(
+        f"     relayed (X-Flightcache-Coalesce: off, each request proxied as it is): wall "
+        f"time ratio {st['relayed_wall_time_ratio']:.2f}; replicas {relay_cpu:.2f} CPU s "
+        f"({relay_cpu / r['requests'] * 1000:.1f} ms per stream), mock "
+        f"{r['cpu_s']['mock']:.2f}, client {r['cpu_s']['client']:.2f}"
+    )
 
 
 def _lag_rows(

@@ -34,7 +34,7 @@ class LoaderJob:
 
     inline_ok = True  # a small value may ride inside the done event
     batched = False  # a do_many key: its completion goes out with its batch's
-    tail: tuple[int, Sequence[bytes]] = (0, ())  # no chunks ride the completion
+    tail: Sequence[bytes] = ()  # no chunks ride the completion
 
     def __init__(
         self,
@@ -131,7 +131,7 @@ class StreamJob:
         self.lease: tuple[float, int] | None = None  # streams are not near-cached
         self.cost_ms: int | None = None
         self.key: Any = None
-        self.tail: tuple[int, Sequence[bytes]] = (0, ())  # (first seq, encoded chunks)
+        self.tail: Sequence[bytes] = ()  # encoded, numbered on from the chunks appended
 
     async def run(self, append: Append | None, context: FlightContext) -> bytes:
         self.local.opened(MISS)
@@ -187,7 +187,7 @@ class StreamJob:
         ending = True
         if flusher is not None:
             await flusher  # the batch on the wire, if any: chunks stay in order
-        self.tail = (sent, tuple(pending))
+        self.tail = tuple(pending)
         return self.envelope.encode_stream(chunks, key=self.digest)
 
     def on_follow(self, claim_entry: bytes) -> None:

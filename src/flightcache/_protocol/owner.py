@@ -333,8 +333,8 @@ class Owner:
     ) -> bytes:
         prefix, limit = self._wake
         small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
-        first, tail = job.tail  # a stream's last chunks, appended by the completion itself
-        count = "" if job.inline_ok else str(max(chunks, first + len(tail)))
+        tail = job.tail  # a stream's last chunks, appended by the completion itself
+        count = "" if job.inline_ok else str(chunks + len(tail))
         ttl = opts.not_found_ttl_ms if encoded == NOT_FOUND_TAG else opts.ttl_ms
         ttl_ms = self._jittered(ttl) if opts.store and ttl > 0 else 0
         sent = self.clock()
@@ -353,7 +353,7 @@ class Owner:
             fk.digest,
             limit,
             self._claims.get(token, ""),
-            *((first, *tail) if tail else ()),
+            *((chunks, *tail) if tail else ()),  # numbered on from those appended
         )
 
         def send() -> Awaitable[Any]:

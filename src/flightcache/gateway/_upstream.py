@@ -413,7 +413,7 @@ async def _rest_of(lines: AsyncIterator[str]) -> None:
             pass
 
     with contextlib.suppress(*SEND_ERRORS):
-        async with bounded(REST_S):  # in this task: no task of its own a stream
+        async with bounded(REST_S):  # in the caller's task: no extra task per stream
             await read_all()
 
 
