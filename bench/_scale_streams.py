@@ -6,7 +6,9 @@ upstream's, wall time, and the CPU each process spent. Baseline, same run: the s
 sending the same requests to the mock directly. Beside them, same run: the same clients
 through the same replicas with ``X-Flightcache-Coalesce: off`` (each request proxied to
 the mock as it is: 2 upstream calls a prompt), which prices what coalescing adds to plain
-proxying.
+proxying. The three passes take turns (``rounds`` rounds, each a slice of the prompts
+through all three, the order rotated every round), so a machine whose speed drifts during
+the run (a shared host) slows each pass alike; each pass's figures are its rounds' sums.
 """
 
 from __future__ import annotations
@@ -86,10 +88,35 @@ class CPU:
 
     @contextlib.asynccontextmanager
     async def measuring(self) -> AsyncIterator[CPU]:
+        """Adds what each process spends inside the block to ``spent``."""
         before = await self._now()
         yield self
         after = await self._now()
-        self.spent = {name: after[name] - before[name] for name in before}
+        for name in before:
+            self.spent[name] = self.spent.get(name, 0.0) + after[name] - before[name]
+
+
+class Pass:
+    """One way of sending the prompts (direct, via the replicas, relayed): its figures
+    summed over its rounds."""
+
+    def __init__(
+        self, targets: tuple[str, str], cpu: CPU, headers: dict[str, str] = HEADERS
+    ) -> None:
+        self.targets, self.cpu, self.headers = targets, cpu, headers
+        self.seconds = 0.0
+        self.calls = 0
+        self.results: list[tuple[StreamResult, StreamResult]] = []
+
+    async def run(
+        self, clients: list[httpx.AsyncClient], mock: _Mock, prompts: list[str], in_flight: int
+    ) -> None:
+        before = await mock.calls()
+        async with self.cpu.measuring():
+            seconds, results = await _pass(clients, self.targets, prompts, in_flight, self.headers)
+        self.calls += await mock.calls() - before
+        self.seconds += seconds
+        self.results += results
 
 
 def _served(results: list[tuple[StreamResult, StreamResult]]) -> dict[str, Any]:
@@ -106,7 +133,7 @@ def _served(results: list[tuple[StreamResult, StreamResult]]) -> dict[str, Any]:
 
 
 async def run_streams(
-    redis_url: str, *, streams: int = 1_000, in_flight: int = 100
+    redis_url: str, *, streams: int = 1_000, in_flight: int = 100, rounds: int = 4
 ) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     services: list[Service] = []
@@ -117,6 +144,7 @@ async def run_streams(
     ]
     ctl = aioredis.Redis.from_url(redis_url)
     prompts = [f"scale {run_id} {i}" for i in range(streams)]
+    rounds = max(1, min(rounds, streams))
     try:
         await _start(redis_url, f"bench-gws-{run_id}", services)
         mock_service, gw_a, gw_b = services
@@ -131,23 +159,20 @@ async def run_streams(
             await _pass(clients, urls, warm, in_flight)
 
         named = {"mock": mock_service, "gateway_a": gw_a, "gateway_b": gw_b}
-        direct_cpu, via_cpu, relay_cpu = CPU(ctl, named), CPU(ctl, named), CPU(ctl, named)
-        before = await mock.calls()
-        async with direct_cpu.measuring():
-            direct_s, direct = await _pass(clients, (mock.url, mock.url), prompts, in_flight)
-        direct_calls = await mock.calls() - before
-
-        before = await mock.calls()
+        direct = Pass((mock.url, mock.url), CPU(ctl, named))
+        via = Pass(gateways, CPU(ctl, named))
+        relay = Pass(gateways, CPU(ctl, named), BYPASS)
         peaks = [ConnectionPeak(ctl, gw.pid, interval=0.25) for gw in (gw_a, gw_b)]
-        async with peaks[0].running(), peaks[1].running(), via_cpu.measuring():
-            via_s, via = await _pass(clients, gateways, prompts, in_flight)
-        via_calls = await mock.calls() - before
-
-        before = await mock.calls()
-        relayed = [f"relay {p}" for p in prompts]
-        async with relay_cpu.measuring():
-            relay_s, relay = await _pass(clients, gateways, relayed, in_flight, BYPASS)
-        relay_calls = await mock.calls() - before
+        order = [direct, via, relay]
+        for r in range(rounds):
+            part = prompts[r * streams // rounds : (r + 1) * streams // rounds]
+            for p in order[r % 3 :] + order[: r % 3]:
+                if p is via:
+                    async with peaks[0].running(), peaks[1].running():
+                        await p.run(clients, mock, part, in_flight)
+                else:  # the relayed pass gets fresh prompts: none of them is stored
+                    asked = [f"relay {q}" for q in part] if p is relay else part
+                    await p.run(clients, mock, asked, in_flight)
     finally:
         try:
             await stop_all(services)
@@ -155,40 +180,41 @@ async def run_streams(
             for c in (client, *clients):
                 await c.aclose()
             await ctl.aclose()
-    texts = [a.text if a.error is None else b.text for a, b in direct]  # the upstream's
-    same_pair = sum(a.text == b.text for a, b in via)
+    texts = [a.text if a.error is None else b.text for a, b in direct.results]  # upstream's
+    same_pair = sum(a.text == b.text for a, b in via.results)
     same_as_upstream = sum(
-        a.text == t and b.text == t for (a, b), t in zip(via, texts, strict=True)
+        a.text == t and b.text == t for (a, b), t in zip(via.results, texts, strict=True)
     )
     return {
         "config": {
             "streams": streams,
             "in_flight": in_flight,
+            "rounds": rounds,
             "mock_latency_ms": LATENCY_MS,
             "mock_tokens_per_s": TOKENS_PER_S,
             "mock_text_tokens": TEXT_TOKENS,
         },
         "gateway": {
-            **_served(via),
-            "upstream_calls": via_calls,
-            "seconds": via_s,
+            **_served(via.results),
+            "upstream_calls": via.calls,
+            "seconds": via.seconds,
             "both_replicas_same_text": same_pair,
             "same_text_as_upstream": same_as_upstream,
             "connections": [p.figures() for p in peaks],
-            "cpu_s": via_cpu.spent,
+            "cpu_s": via.cpu.spent,
         },
         "direct": {
-            **_served(direct),
-            "upstream_calls": direct_calls,
-            "seconds": direct_s,
-            "cpu_s": direct_cpu.spent,
+            **_served(direct.results),
+            "upstream_calls": direct.calls,
+            "seconds": direct.seconds,
+            "cpu_s": direct.cpu.spent,
         },
         "relayed": {
-            **_served(relay),
-            "upstream_calls": relay_calls,
-            "seconds": relay_s,
-            "cpu_s": relay_cpu.spent,
+            **_served(relay.results),
+            "upstream_calls": relay.calls,
+            "seconds": relay.seconds,
+            "cpu_s": relay.cpu.spent,
         },
-        "wall_time_ratio": via_s / direct_s,
-        "relayed_wall_time_ratio": relay_s / direct_s,
+        "wall_time_ratio": via.seconds / direct.seconds,
+        "relayed_wall_time_ratio": relay.seconds / direct.seconds,
     }

@@ -214,3 +214,90 @@ async def test_a_passthrough_keeps_its_path_drops_expect_and_relays_header_bytes
     assert request_line == b"POST /v1/files/%2E%2E/%2e%2e/admin?filter[s]=1 HTTP/1.1"
     assert not any(line.lower().startswith(b"expect:") for line in header_lines)
     assert (b"content-disposition", b'attachment; filename="caf\xe9.jsonl"') in response.raw_headers
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await _request_head(reader)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head + await reader.readexactly(length)
+
+
+def _json_answer(writer: asyncio.StreamWriter, body: bytes = b'{"ok": 1}') -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    writer.write(b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _embeddings(upstream: Upstream) -> Awaitable[object]:
+    return asyncio.wait_for(upstream.fetch_json("embeddings", "/v1/embeddings", {}, {}), 10)
+
+
+async def test_a_post_whose_kept_alive_connection_was_closed_under_it_is_sent_again() -> None:
+    """The upstream answers the first request of a connection and drops the connection at
+    the second, as a server that ends idle connections does when a request crosses its
+    close: the call that met the closed connection is sent again on a new one and succeeds
+    (aiohttp itself retries only idempotent methods). Without the retry it is a 502."""
+    requests: list[int] = []  # the connection's number, per request read
+
+    async def first_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = len({*requests}) + 1
+        await _read_request(reader)
+        requests.append(number)
+        _json_answer(writer)
+        await writer.drain()
+        await _read_request(reader)
+        requests.append(number)
+        writer.close()  # no answer, not a byte: the connection ends under the request
+
+    async with raw_upstream(first_only, read_timeout=5) as upstream:
+        assert await _embeddings(upstream) == {"ok": 1}
+        assert await _embeddings(upstream) == {"ok": 1}  # met the close, then a new one
+    assert requests == [1, 1, 2]
+
+
+async def test_a_new_connection_cut_before_its_answer_is_not_sent_again() -> None:
+    """A connection opened for the call and cut before any answer may mean the upstream
+    took the request and then failed: it is a 502, and the request went out once."""
+    requests = 0
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal requests
+        await _read_request(reader)
+        requests += 1
+        writer.close()
+
+    async with raw_upstream(cut, read_timeout=5) as upstream:
+        with pytest.raises(UpstreamError) as caught:
+            await _embeddings(upstream)
+    assert caught.value.status == 502
+    assert requests == 1
+
+
+async def test_sending_again_after_closed_kept_alive_connections_is_bounded() -> None:
+    """Four kept-alive connections, each dropped by the upstream at its next request: a call
+    that meets one closed connection after another gives up after ``STALE_RETRIES`` more
+    sends with a 502, rather than trying every pooled connection or forever."""
+    from flightcache.gateway._http import STALE_RETRIES
+
+    served = 0
+    dropped = 0
+    all_four = asyncio.Event()
+
+    async def first_only(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served, dropped
+        await _read_request(reader)
+        served += 1
+        if served == 4:
+            all_four.set()
+        await all_four.wait()  # the four first calls are answered together: four connections
+        _json_answer(writer)
+        await writer.drain()
+        await _read_request(reader)
+        dropped += 1
+        writer.close()
+
+    async with raw_upstream(first_only, read_timeout=5) as upstream:
+        assert await asyncio.gather(*(_embeddings(upstream) for _ in range(4))) == [{"ok": 1}] * 4
+        with pytest.raises(UpstreamError) as caught:
+            await _embeddings(upstream)
+    assert caught.value.status == 502
+    assert dropped == 1 + STALE_RETRIES

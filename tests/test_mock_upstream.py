@@ -562,3 +562,20 @@ def test_cli_port_in_use() -> None:
         )
     assert done.returncode == 2
     assert "mock-upstream: error" in done.stderr
+
+
+def test_an_idle_client_connection_outlives_httpxs_keep_alive(server_url: str) -> None:
+    """``flightcache serve`` and the mock keep an idle connection past 5 s, what httpx (and
+    so the openai SDK) keeps its own: a client never sends a request into the instant the
+    server closes the connection (``_serve_util.KEEP_ALIVE_S``). With uvicorn's default
+    (5 s) the second request finds the connection closed."""
+    import socket
+
+    host, port = server_url.removeprefix("http://").rsplit(":", 1)
+    request = b"GET /stats HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for pause in (6, 0):
+            sock.sendall(request)
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            time.sleep(pause)  # idle for longer than uvicorn's default keep-alive

@@ -17,6 +17,13 @@ What the session does, and why:
 - No cookie jar: cookies an upstream sets would otherwise ride on every later client's call.
 - No decompression: answers are asked for uncompressed, and a passthrough relays its bytes
   as they come, with their ``content-encoding``.
+- A request that finds its kept-alive connection closed under it (the upstream ended the
+  idle connection as the request went out: no answer, not a byte) is sent again on another
+  connection, at most ``STALE_RETRIES`` times (``send``). aiohttp does that for idempotent
+  methods only, and every completion is a POST; an upstream that closes idle connections
+  (uvicorn after 5 s, most servers after a minute) would otherwise fail a call now and then
+  with a 502. Only a reused connection is retried (a trace marks it), so a new connection
+  that fails, which may mean the upstream took the request and died, is never sent twice.
 - ``HTTP_PROXY``/``HTTPS_PROXY``/``NO_PROXY`` are read once, for the upstream's URL (the
   session calls nothing else). aiohttp's ``trust_env`` would read them, and ``~/.netrc``,
   on every request, in a thread: about 6 % of a replica's CPU in the 1,000-stream bench
@@ -42,18 +49,63 @@ else:  # aiohttp depends on async-timeout there, whose timeout() has the same AP
     from async_timeout import timeout as _timeout
 
 __all__ = [
+    "STALE_RETRIES",
     "TRANSPORT_ERRORS",
     "body_of",
     "bounded",
     "env_proxy",
     "is_timeout",
     "payload",
+    "send",
     "upstream_session",
 ]
 
 LARGE_BODY = 1 << 20
 # What a call that failed in transport raises (a refused or cut connection, a timeout).
 TRANSPORT_ERRORS = (aiohttp.ClientError,)
+
+
+STALE_RETRIES = 2  # sends again after a kept-alive connection was found closed
+
+
+class _Attempt:
+    """One send of a request: whether aiohttp gave it a kept-alive connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: Any, context: Any, params: Any) -> None:
+    attempt = context.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def _stale(exc: BaseException, attempt: _Attempt) -> bool:
+    """Whether a send failed because its kept-alive connection had been closed: nothing came
+    back on a reused connection (a refused or timed-out connect is not this)."""
+    closed = isinstance(exc, aiohttp.ServerDisconnectedError) or (
+        isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
+    )
+    return closed and attempt.reused
+
+
+async def send(session: aiohttp.ClientSession, method: str, url: Any, **kw: Any) -> Any:
+    """``session.request``, sent again (at most ``STALE_RETRIES`` times) when it failed on a
+    kept-alive connection the upstream had closed; ``kw`` must be sendable again (bytes, or
+    a fresh ``data`` per call: pass ``data=`` as a callable)."""
+    make_data = kw.pop("data", None)
+    for retry in range(STALE_RETRIES + 1):
+        attempt = _Attempt()
+        data = make_data() if callable(make_data) else make_data
+        try:
+            return await session.request(method, url, data=data, trace_request_ctx=attempt, **kw)
+        except aiohttp.ClientError as exc:
+            if retry == STALE_RETRIES or not _stale(exc, attempt):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -134,8 +186,11 @@ def upstream_session(
         sock_connect=connect_timeout,
         sock_read=upstream_timeout,
     )
+    reuse = aiohttp.TraceConfig()
+    reuse.on_connection_reuseconn.append(_on_reuse)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+        trace_configs=[reuse],
         timeout=timeout,
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,

@@ -57,12 +57,20 @@ def format_url(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
+# Seconds an idle client connection is kept open. Longer than what clients keep theirs
+# (httpx, so the openai SDK: 5 s) and than a load balancer's idle timeout in front (60 s
+# on AWS's): the side that closes an idle connection is then the client, never this server
+# in the instant a request is on its way in. uvicorn's own default, 5 s, meets httpx's.
+KEEP_ALIVE_S = 75
+
+
 def _config(app: ASGIApp, *, graceful_timeout: float, log_level: str, **kw: Any) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         log_level=log_level,
         access_log=False,  # request lines only, but an operator turns them on deliberately
         timeout_graceful_shutdown=max(1, round(graceful_timeout)),
+        timeout_keep_alive=KEEP_ALIVE_S,
         lifespan="auto",
         **kw,
     )

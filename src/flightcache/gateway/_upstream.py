@@ -41,7 +41,7 @@ from ..integrations._answers import ended, failure
 from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
-from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, payload
+from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, payload, send
 
 __all__ = [
     "HOP_BY_HOP",
@@ -264,13 +264,15 @@ class Upstream:
         self, method: str, url: str | yarl.URL, headers: Any, body: bytes
     ) -> aiohttp.ClientResponse:
         """One request, until its headers come back, within ``read_timeout`` (aiohttp bounds
-        no write); one of ``SEND_ERRORS`` if it fails."""
+        no write); one of ``SEND_ERRORS`` if it fails. Sent again if a kept-alive connection
+        turned out closed under it (``_http.send``), within the same bound."""
         async with bounded(self.read_timeout):
-            return await self.session.request(
+            return await send(
+                self.session,
                 method,
                 url,
                 headers=headers,
-                data=payload(body) if body else None,
+                data=(lambda: payload(body)) if body else None,
                 allow_redirects=False,
             )
 
