@@ -92,7 +92,9 @@ def _stale(exc: BaseException, attempt: _Attempt) -> bool:
     return closed and attempt.reused
 
 
-async def send(session: aiohttp.ClientSession, method: str, url: Any, **kw: Any) -> Any:
+async def send(
+    session: aiohttp.ClientSession, method: str, url: Any, **kw: Any
+) -> aiohttp.ClientResponse:
     """``session.request``, sent again (at most ``STALE_RETRIES`` times) when it failed on a
     kept-alive connection the upstream had closed; ``kw`` must be sendable again (bytes, or
     a fresh ``data`` per call: pass ``data=`` as a callable)."""
