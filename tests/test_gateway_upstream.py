@@ -231,7 +231,9 @@ def _embeddings(upstream: Upstream) -> Awaitable[object]:
     return asyncio.wait_for(upstream.fetch_json("embeddings", "/v1/embeddings", {}, {}), 10)
 
 
-async def test_a_post_whose_kept_alive_connection_was_closed_under_it_is_sent_again() -> None:
+async def test_a_post_whose_kept_alive_connection_was_closed_under_it_is_sent_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The upstream answers the first request of a connection and drops the connection at
     the second, as a server that ends idle connections does when a request crosses its
     close: the call that met the closed connection is sent again on a new one and succeeds
@@ -248,10 +250,12 @@ async def test_a_post_whose_kept_alive_connection_was_closed_under_it_is_sent_ag
         requests.append(number)
         writer.close()  # no answer, not a byte: the connection ends under the request
 
+    caplog.set_level("INFO", logger="flightcache.gateway")
     async with raw_upstream(first_only, read_timeout=5) as upstream:
         assert await _embeddings(upstream) == {"ok": 1}
         assert await _embeddings(upstream) == {"ok": 1}  # met the close, then a new one
     assert requests == [1, 1, 2]
+    assert "sending it again" in caplog.text  # an operator sees it happen
 
 
 async def test_a_new_connection_cut_before_its_answer_is_not_sent_again() -> None:

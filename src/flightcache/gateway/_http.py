@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import sys
 import urllib.request
 from collections.abc import AsyncIterator
@@ -64,6 +65,8 @@ LARGE_BODY = 1 << 20
 # What a call that failed in transport raises (a refused or cut connection, a timeout).
 TRANSPORT_ERRORS = (aiohttp.ClientError,)
 
+
+log = logging.getLogger("flightcache.gateway")
 
 STALE_RETRIES = 2  # sends again after a kept-alive connection was found closed
 
@@ -107,6 +110,10 @@ async def send(
         except aiohttp.ClientError as exc:
             if retry == STALE_RETRIES or not _stale(exc, attempt):
                 raise
+            log.info(
+                "upstream closed a kept-alive connection under a request (%s); sending it again",
+                type(exc).__name__,
+            )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
