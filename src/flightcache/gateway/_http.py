@@ -96,25 +96,26 @@ def _stale(exc: BaseException, attempt: _Attempt) -> bool:
 
 
 async def send(
-    session: aiohttp.ClientSession, method: str, url: Any, **kw: Any
+    session: aiohttp.ClientSession, method: str, url: Any, body: bytes, **kw: Any
 ) -> aiohttp.ClientResponse:
-    """``session.request``, sent again (at most ``STALE_RETRIES`` times) when it failed on a
-    kept-alive connection the upstream had closed; ``kw`` must be sendable again (bytes, or
-    a fresh ``data`` per call: pass ``data=`` as a callable)."""
-    make_data = kw.pop("data", None)
-    for retry in range(STALE_RETRIES + 1):
+    """``session.request`` with ``body`` (none if empty), sent again (at most
+    ``STALE_RETRIES`` times) when it failed on a kept-alive connection the upstream had
+    closed."""
+    retries = 0
+    while True:
         attempt = _Attempt()
-        data = make_data() if callable(make_data) else make_data
         try:
-            return await session.request(method, url, data=data, trace_request_ctx=attempt, **kw)
+            return await session.request(
+                method, url, data=payload(body) if body else None, trace_request_ctx=attempt, **kw
+            )
         except aiohttp.ClientError as exc:
-            if retry == STALE_RETRIES or not _stale(exc, attempt):
+            if retries == STALE_RETRIES or not _stale(exc, attempt):
                 raise
+            retries += 1
             log.info(
                 "upstream closed a kept-alive connection under a request (%s); sending it again",
                 type(exc).__name__,
             )
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def is_timeout(exc: BaseException) -> bool:

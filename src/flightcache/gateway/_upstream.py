@@ -41,7 +41,7 @@ from ..integrations._answers import ended, failure
 from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
-from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, payload, send
+from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, send
 
 __all__ = [
     "HOP_BY_HOP",
@@ -268,12 +268,7 @@ class Upstream:
         turned out closed under it (``_http.send``), within the same bound."""
         async with bounded(self.read_timeout):
             return await send(
-                self.session,
-                method,
-                url,
-                headers=headers,
-                data=(lambda: payload(body)) if body else None,
-                allow_redirects=False,
+                self.session, method, url, body, headers=headers, allow_redirects=False
             )
 
     @contextlib.asynccontextmanager
