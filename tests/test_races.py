@@ -9,6 +9,7 @@ Redis), which is equivalent to that process being descheduled for a moment.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -35,6 +36,7 @@ from flightcache import (
     StreamRestarted,
 )
 from flightcache._backends.embedded import free_port
+from flightcache._waits import within
 
 from .helpers.flights import wait_for_flight
 from .helpers.procs import SRC, wait_for
@@ -585,3 +587,37 @@ def test_a_near_cache_copy_never_outlives_its_nodes_liveness() -> None:
     assert near.get("d") == b"jv"
     now[0] = 101.8  # 102 - skew: past it, though the 5 s lease would run on
     assert near.get("d") is None
+
+
+async def test_a_bounded_wait_delivers_a_cancellation_that_arrives_as_it_completes() -> None:
+    """``asyncio.wait_for`` before 3.12 returns the result when its caller is cancelled in
+    the same turn of the loop as the awaited thing completes: a cancelled ``do()`` (seen on
+    a Cluster, where a pool's bounded wait for a connection ended just then) returned its
+    value. ``within`` awaits in the caller's task, so the cancellation is delivered."""
+    loop = asyncio.get_running_loop()
+    for _ in range(20):
+        fut: asyncio.Future[str] = loop.create_future()
+        caller = asyncio.ensure_future(within(fut, 10.0))
+        await asyncio.sleep(0)  # the caller waits on fut
+        fut.set_result("done")
+        caller.cancel()  # the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    with pytest.raises(asyncio.TimeoutError):
+        await within(loop.create_future(), 0.01)
+    assert await within(asyncio.sleep(0, "ok"), 1.0) == "ok"
+
+
+def test_no_library_code_bounds_a_wait_with_asyncio_wait_for() -> None:
+    """Every bounded wait in the package goes through ``within`` (the one above)."""
+    offenders = []
+    for path in sorted((Path(SRC) / "flightcache").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "wait_for"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "asyncio"
+            ):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

@@ -22,6 +22,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
 
+from .._waits import within
+
 log = logging.getLogger("flightcache.listener")
 
 
@@ -72,7 +74,7 @@ class Listener:
 
     async def wait_subscribed(self, timeout: float) -> bool:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._subscribed.wait(), timeout)
+            await within(self._subscribed.wait(), timeout)
         return self.subscribed
 
     async def aclose(self) -> None:

@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
+from .._waits import within
+
 log = logging.getLogger("flightcache.redis")
 
 
@@ -64,7 +66,7 @@ class BoundedPool(aioredis.ConnectionPool):
         slots = self._lane if lane and self._lane is not None else self._slots
         if slots.locked():
             try:
-                await asyncio.wait_for(slots.acquire(), self._wait_timeout)
+                await within(slots.acquire(), self._wait_timeout)
             except asyncio.TimeoutError as exc:
                 raise rexc.MaxConnectionsError(
                     f"all {self.max_connections} connections stayed busy for "
@@ -77,7 +79,7 @@ class BoundedPool(aioredis.ConnectionPool):
                 # A new connection's handshake (HELLO, CLIENT SETNAME) reads with no socket
                 # timeout in this pool, and the sweeper only sees checked-out connections:
                 # bound the connect here, so a frozen server cannot hang it.
-                connection = await asyncio.wait_for(
+                connection = await within(
                     super().get_connection(),  # type: ignore[no-untyped-call]
                     self._op_timeout,
                 )

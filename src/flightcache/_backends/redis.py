@@ -20,6 +20,7 @@ from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
+from .._waits import within
 from .convoy import STALE_S, Convoy, send_calls
 from .lane import SyncLane
 from .listener import Listener, keepalive
@@ -270,7 +271,7 @@ class RedisConnection:
             await gate.acquire()
             return
         try:
-            await asyncio.wait_for(gate.acquire(), self._wait_timeout)
+            await within(gate.acquire(), self._wait_timeout)
         except asyncio.TimeoutError as exc:
             raise rexc.MaxConnectionsError(
                 f"all {self._max_connections} connections stayed busy for "

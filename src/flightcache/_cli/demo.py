@@ -27,6 +27,7 @@ import orjson
 from .._backends.embedded import EmbeddedServer
 from .._cache import FlightCache
 from .._errors import FlightError
+from .._waits import within
 
 KEY = "demo: what is relativity?"
 NAMESPACE = "demo"
@@ -193,14 +194,14 @@ async def _read_event(worker: Worker, event: str) -> dict[str, Any] | None:
 
 async def _ready(worker: Worker) -> None:
     try:
-        record = await asyncio.wait_for(_read_event(worker, "ready"), READY_TIMEOUT_S)
+        record = await within(_read_event(worker, "ready"), READY_TIMEOUT_S)
     except asyncio.TimeoutError:
         why = f"not ready within {READY_TIMEOUT_S:g} s"
     else:
         if record is not None:
             return
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(worker.proc.wait(), EXIT_TIMEOUT_S)
+            await within(worker.proc.wait(), EXIT_TIMEOUT_S)
         why = f"exited with status {worker.proc.returncode}"
     tail = worker.stderr_tail()
     raise FlightError(
@@ -213,7 +214,7 @@ async def _go(worker: Worker) -> None:
     assert stdin is not None
     with contextlib.suppress(ConnectionError):  # a worker that died since is reported as silent
         stdin.write(b"go\n")
-        await asyncio.wait_for(stdin.drain(), EXIT_TIMEOUT_S)
+        await within(stdin.drain(), EXIT_TIMEOUT_S)
         stdin.close()
 
 
@@ -269,7 +270,7 @@ async def _watch(
                         t0, f"SIGKILL to owner pid {pid}; its lease ({left} ms left) must lapse"
                     )
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(victim.proc.wait(), EXIT_TIMEOUT_S)
+                        await within(victim.proc.wait(), EXIT_TIMEOUT_S)
         await asyncio.sleep(POLL_S)  # watch interval: the demo looks for an owner to kill
 
 
@@ -315,7 +316,7 @@ async def _run(config: DemoConfig) -> Outcome:
             if w.proc.returncode is None:
                 w.proc.kill()
             with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-                await asyncio.wait_for(w.proc.wait(), EXIT_TIMEOUT_S)
+                await within(w.proc.wait(), EXIT_TIMEOUT_S)
         if fc is not None:
             await fc.aclose()
         await asyncio.to_thread(server.stop)

@@ -24,6 +24,7 @@ import orjson
 
 from .._cache import FlightCache
 from .._errors import FlightError
+from .._waits import within
 
 ANSWER = (
     "Relativity is two theories by Einstein. Special relativity: the laws of physics are the "
@@ -69,7 +70,7 @@ async def read_go(timeout: float) -> bool:
         lambda: asyncio.StreamReaderProtocol(reader), sys.stdin
     )
     try:
-        line = await asyncio.wait_for(reader.readline(), timeout)
+        line = await within(reader.readline(), timeout)
     except asyncio.TimeoutError:
         return False
     finally:
@@ -104,7 +105,7 @@ async def run(args: argparse.Namespace) -> int:
             return [round(time.monotonic() - start, 4), digest]
 
         try:
-            calls = await asyncio.wait_for(
+            calls = await within(
                 asyncio.gather(*(one_call() for _ in range(args.callers))), args.bound
             )
         except asyncio.TimeoutError:

@@ -29,6 +29,7 @@ from .._backends.scripts import scripts
 from .._errors import FlightError, LeaseLost
 from .._keys import FlightKeys, KeySpace
 from .._types import Invalidation
+from .._waits import within
 from .near import NearCache
 
 LUA = scripts(__package__, "live_nodes", "replace_result", "end_replace")
@@ -183,7 +184,7 @@ class NodeAgent:
         if tasks:
             await asyncio.wait(tasks, timeout=1.0)
         with contextlib.suppress(FlightError, asyncio.TimeoutError):
-            await asyncio.wait_for(self._live(leave=True), 1.0)  # leave the live set now
+            await within(self._live(leave=True), 1.0)  # leave the live set now
 
     # -- liveness ------------------------------------------------------------------------
 

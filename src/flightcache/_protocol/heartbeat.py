@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .._errors import FlightError
+from .._waits import within
 
 log = logging.getLogger("flightcache.heartbeat")
 T = TypeVar("T")
@@ -275,7 +276,7 @@ class Renewer(_Book):
             if due > now:
                 self._changed.clear()
                 try:  # a new lease may be due sooner: look again when one arrives
-                    await asyncio.wait_for(self._changed.wait(), due - now)  # heartbeat interval
+                    await within(self._changed.wait(), due - now)  # heartbeat interval
                     continue
                 except asyncio.TimeoutError:
                     pass  # the timer says `due` has come, whatever the clock reads

@@ -32,6 +32,7 @@ from .._errors import (
 )
 from .._keys import FlightKeys
 from .._types import CallOptions, Stats
+from .._waits import within
 from .context import FlightContext
 from .heartbeat import BREATHE_EVERY, Lease, Renewer, ThreadRenewer
 from .jobs import Job
@@ -438,7 +439,7 @@ class Owner:
     async def give_back(self, fk: FlightKeys, token: int) -> None:
         """Best effort: release the flight so followers claim without waiting out the lease."""
         try:
-            await asyncio.wait_for(
+            await within(
                 self.conn.script(
                     LUA["fail_flight"],
                     fk,

@@ -30,6 +30,7 @@ from .._cache import FlightCache
 from .._errors import BackendUnavailable, FlightError, StreamRestarted
 from .._protocol.streaming import FlightStream
 from .._types import UNSET
+from .._waits import within
 from ..integrations._answers import (
     age_of,
     answer_of,
@@ -163,7 +164,7 @@ class _Gateway:
             )
             self.metrics.watch(lambda: fc.stats)
             try:
-                await asyncio.wait_for(fc.ping(), HEALTH_TIMEOUT_S)
+                await within(fc.ping(), HEALTH_TIMEOUT_S)
             except (FlightError, asyncio.TimeoutError) as exc:
                 log.warning("the cache server does not answer yet (%s)", type(exc).__name__)
             try:
@@ -392,7 +393,7 @@ class _Gateway:
         started = time.perf_counter()
         backend = "embedded" if self.config.redis_url is None else "redis"
         try:
-            await asyncio.wait_for(fc.ping(), HEALTH_TIMEOUT_S)
+            await within(fc.ping(), HEALTH_TIMEOUT_S)
         except (FlightError, asyncio.TimeoutError) as exc:
             body = {"status": "unavailable", "backend": backend, "error": type(exc).__name__}
             return _json(body, 503)
