@@ -621,3 +621,38 @@ def test_no_library_code_bounds_a_wait_with_asyncio_wait_for() -> None:
             ):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 does not count cancellations")
+async def test_a_cancellation_the_driver_loses_still_reaches_the_caller(
+    server: EmbeddedServer,
+) -> None:
+    """redis-py bounds a socket write with ``asyncio.wait_for`` when ``socket_timeout`` is set
+    (the Cluster client), and so loses a cancellation that arrives in the same turn as the
+    write completes (the race above): the caller's ``do()`` went on and returned. Every
+    command runs through ``RedisConnection.run``, which sees the pending cancellation and
+    delivers it. Here the driver's step is that same ``wait_for`` race, made deterministic."""
+    from flightcache._backends.redis import RedisConnection
+    from flightcache._types import Stats
+
+    conn = RedisConnection(server.url, stats=Stats(), socket_timeout=5.0)
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(5):
+            written: asyncio.Future[str] = loop.create_future()
+            writing = asyncio.Event()
+
+            async def op(written: asyncio.Future[str] = written, writing: Any = writing) -> str:
+                await conn.client.ping()
+                writing.set()
+                return await asyncio.wait_for(written, 5.0)  # what redis-py does
+
+            caller = asyncio.ensure_future(conn.run(op))
+            await writing.wait()  # the caller waits inside wait_for now
+            written.set_result("sent")
+            caller.cancel()  # the same turn of the loop: wait_for returns "sent"
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        assert await conn.run(lambda: conn.client.ping()) is True  # nothing left pending
+    finally:
+        await conn.aclose()

@@ -5,7 +5,8 @@ when the caller is cancelled in the same turn of the loop as that task completes
 returns the result instead of raising ``CancelledError``: the cancellation is lost, and a
 caller that was told to stop carries on (a cancelled ``do()`` returning a value). Every
 bounded wait in flightcache goes through ``within``, which awaits in the caller's own task
-under a deadline, so a cancellation is always delivered.
+under a deadline, so a cancellation is always delivered. ``cancels_pending`` lets a caller
+of code that may still lose one (the driver) see that it did, and raise it.
 """
 
 from __future__ import annotations
@@ -50,3 +51,19 @@ else:  # pragma: no cover - Python 3.10 has no asyncio.timeout
             raise
         finally:
             handle.cancel()
+
+
+if sys.version_info >= (3, 11):
+
+    def cancels_pending() -> int:
+        """How many cancellations of the running task are pending (not yet delivered, or
+        delivered and suppressed without ``uncancel``): compared before and after an await,
+        a rise means the code awaited lost one."""
+        task = asyncio.current_task()
+        return task.cancelling() if task is not None else 0
+
+else:  # pragma: no cover - Python 3.10 cannot count them
+
+    def cancels_pending() -> int:
+        """Always 0 on Python 3.10, which does not count a task's cancellations."""
+        return 0

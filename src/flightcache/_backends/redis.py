@@ -20,7 +20,7 @@ from .._config import safe_url
 from .._errors import BackendUnavailable, ConfigError, FlightError, PoolExhausted
 from .._keys import FlightKeys
 from .._types import Stats
-from .._waits import within
+from .._waits import cancels_pending, within
 from .convoy import STALE_S, Convoy, send_calls
 from .lane import SyncLane
 from .listener import Listener, keepalive
@@ -226,14 +226,16 @@ class RedisConnection:
         takes one of the reserved turns (on one server, the caller uses :attr:`lane`)."""
         self.stats.commands += 1
         gate = self._lane_gate if lane and self._lane_gate is not None else self._gate
+        pending = cancels_pending()
         try:
             if gate is None:
-                return await op()
-            await self._enter(gate)
-            try:
-                return await op()
-            finally:
-                gate.release()
+                reply = await op()
+            else:
+                await self._enter(gate)
+                try:
+                    reply = await op()
+                finally:
+                    gate.release()
         except rexc.MaxConnectionsError as exc:
             # This process is busy, the server is not down: no fail-open for this.
             raise PoolExhausted(f"connection pool exhausted for {self.safe_url}: {exc}") from exc
@@ -263,6 +265,12 @@ class RedisConnection:
             if "WRONGTYPE" in str(exc) and fk is not None:
                 raise await self._wrong_type(fk) from exc
             raise FlightError(f"Redis at {self.safe_url} refused a command: {exc}") from exc
+        if cancels_pending() > pending:
+            # The caller was cancelled and redis-py lost it (its asyncio.wait_for around a
+            # socket write, when socket_timeout is set, before Python 3.12): deliver it, as if
+            # it had come while the reply was on its way (callers handle exactly that).
+            raise asyncio.CancelledError
+        return reply
 
     async def _enter(self, gate: asyncio.Semaphore) -> None:
         """A cluster command's turn: redis-py's cluster client fails at once when a node's
