@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections import Counter
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.connection
 
 from flightcache import EmbeddedServer, FlightCache
 from flightcache._backends import convoy as convoy_module
@@ -235,11 +237,24 @@ async def test_a_miss_is_two_round_trips_and_a_hit_one(
 
 
 async def test_an_owner_of_1000_flights_renews_them_in_a_few_commands_a_tick(
-    private_server: EmbeddedServer, namespace: str
+    private_server: EmbeddedServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """1,000 owned flights with a 3 s lease (a tick every second) for 4 s: the renewals are
-    a handful of scripts a tick (200 flights each), counted by the server. (The lease leaves
-    a loaded 2-core machine time to answer a tick: a renewal is due every lease/3.)"""
+    a handful of scripts a tick (200 flights each), counted by the server, and each goes
+    out in a write of its own (what the renewals' thread writes to its socket is looked
+    at): a pipeline of all of them would hold up every other client's command while the
+    server ran it (docs/protocol.md, "One script a write"). (The lease leaves a loaded
+    2-core machine time to answer a tick: a renewal is due every lease/3.)"""
+    writes: list[int] = []  # the scripts in each write of the renewals' thread
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def spy(self: Any, command: Any, check_health: bool = True) -> None:
+        if threading.current_thread().name == "flightcache-renew":
+            data = b"".join(command) if isinstance(command, list) else bytes(command)
+            writes.append(data.count(b"EVALSHA"))
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", spy)
     admin = aioredis.Redis.from_url(private_server.url)
     fc = FlightCache(private_server.url, namespace=namespace, lease=3.0, near_cache=False)
     try:
@@ -269,6 +284,8 @@ async def test_an_owner_of_1000_flights_renews_them_in_a_few_commands_a_tick(
     # 5 scripts of 200 flights a tick (and a few ticks more on a loaded machine), where one
     # script per flight would be 1,000 a tick.
     assert 0 < renewals <= 5 * (ticks + 3), (renewals, ticks)
+    scripts_written = [n for n in writes if n]  # (the others: the connection's handshake)
+    assert len(scripts_written) >= 5 and set(scripts_written) == {1}, writes
 
 
 async def test_a_renewal_batch_that_finds_some_tokens_replaced_cancels_exactly_those_loaders(

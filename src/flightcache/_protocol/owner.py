@@ -11,11 +11,10 @@ about it reaches followers as a ``RemoteError`` or is negative-cached.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .._backends.convoy import Bulk, bulk
@@ -34,7 +33,7 @@ from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .._waits import within
 from .context import FlightContext
-from .heartbeat import BREATHE_EVERY, Lease, Renewer, ThreadRenewer
+from .heartbeat import Lease, Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together, script_batches
@@ -152,23 +151,15 @@ class Owner:
     # -- renewals ------------------------------------------------------------------------
 
     def _renew_calls(
-        self, leases: Sequence[Lease], cluster: bool, breathe: Callable[[], None] | None = None
-    ) -> tuple[list[list[Lease]], list[tuple[list[Any], list[Any]]]]:
-        """The ``renew_leases`` calls for ``leases``: on one server, scripts of up to
-        ``renew_batch`` flights; on a Cluster, one script per slot (a script cannot span
-        slots), which a cluster pipeline sends one round trip per node. ``breathe`` is
-        called every ``BREATHE_EVERY`` leases or so (the renewals' thread lets the loop's
-        thread have the GIL)."""
-        batches = script_batches(
+        self, leases: Sequence[Lease], cluster: bool
+    ) -> Iterator[tuple[list[Lease], tuple[Any, Any]]]:
+        """The ``renew_leases`` calls for ``leases``, each with its leases, made as they are
+        taken: on one server, scripts of up to ``renew_batch`` flights; on a Cluster, one
+        script per slot (a script cannot span slots), which a cluster pipeline sends one
+        round trip per node."""
+        for batch in script_batches(
             leases, lambda lease: lease.args[0].meta, cluster, self.tuning.renew_batch
-        )
-        calls: list[tuple[list[Any], list[Any]]] = []
-        packed_since = 0
-        for batch in batches:
-            packed_since += len(batch)
-            if breathe is not None and packed_since >= BREATHE_EVERY:
-                packed_since = 0
-                breathe()
+        ):
             keys: list[Any] = []
             args: list[Any] = []
             if cluster:  # (redis-py's cluster pipeline packs them)
@@ -176,7 +167,7 @@ class Owner:
                     fk, token, lease_ms, stream_ttl, claim = lease.args
                     keys += (fk.meta, fk.stream, fk.waiters)
                     args += (token, lease_ms, stream_ttl if lease.take_full() else 0, claim)
-                calls.append((keys, args))
+                yield batch, (keys, args)
                 continue
             # Packed once per lease, not once per renewal: ten thousand leases are ten
             # thousand renewals a lease/3, and the thread building them holds the GIL.
@@ -190,41 +181,43 @@ class Owner:
                     packed = lease.packed = (bulk(fk.meta, fk.stream, fk.waiters), full, short)
                 keys += packed[0]
                 args += packed[1] if lease.take_full() else packed[2]
-            calls.append((Bulk(keys), Bulk(args)))
-        return batches, calls
-
-    @staticmethod
-    def _answers(
-        leases: Sequence[Lease], batches: list[list[Lease]], replies: Sequence[Any]
-    ) -> list[bool]:
-        answers = {
-            id(lease): bool(int(ok))
-            for batch, reply in zip(batches, replies, strict=True)
-            for lease, ok in zip(batch, reply, strict=True)
-        }
-        return [answers[id(lease)] for lease in leases]
+            yield batch, (Bulk(keys), Bulk(args))
 
     def _renew_on_thread(
         self, leases: Sequence[Lease], patience: Callable[[], float | None]
     ) -> list[bool]:
         """One batch of renewals from the renewer's thread, on its blocking connection (made
-        on first use), waiting only as long as ``patience`` says."""
+        on first use), waiting only as long as ``patience`` says.
+
+        One script a write, each made just before it is sent: a server reads all of a
+        pipeline that has arrived and runs it before it serves anyone else, so ten thousand
+        renewals written at once kept every other command to that server (the completes of
+        this process and of others) waiting for their ~100 ms; one at a time, a renewal
+        delays another client's command by one script at most. And the thread holds the
+        GIL for one script's packing at a time, not for ten thousand leases'."""
         lane = self._lane
         if lane is None:
             lane = self._lane = self.conn.sync_lane("renew")
-        _, calls = self._renew_calls(leases, False, self.renewer.breathe)
-        replies = lane.calls(LUA["renew_leases"], calls, patience)
-        for reply in replies:
+        answers: list[bool] = []
+        for _, call in self._renew_calls(leases, False):
+            (reply,) = lane.calls(LUA["renew_leases"], (call,), patience)
             if isinstance(reply, Exception):
                 raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
-        # (one server: the batches are the leases' slices, in order)
-        return list(map(bool, map(int, itertools.chain.from_iterable(replies))))
+            answers += map(bool, reply)  # (one server: the batches are the leases' slices)
+        return answers
 
     async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
         """One pipeline renewing every lease given, on the reserved lane."""
-        batches, calls = self._renew_calls(leases, self.conn.cluster is not None)
-        replies = await self.conn.pipeline_script(LUA["renew_leases"], calls, lane=True)
-        return self._answers(leases, batches, replies)
+        made = list(self._renew_calls(leases, self.conn.cluster is not None))
+        replies = await self.conn.pipeline_script(
+            LUA["renew_leases"], [call for _, call in made], lane=True
+        )
+        answers = {
+            id(lease): bool(int(ok))
+            for (batch, _), reply in zip(made, replies, strict=True)
+            for lease, ok in zip(batch, reply, strict=True)
+        }
+        return [answers[id(lease)] for lease in leases]
 
     # -- the loader ----------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ class Rechecks:
     """The re-checks of every flight this process follows on one server."""
 
     GATHER_S = 0.01  # the timer fires this late: the re-checks due meanwhile go together
-    PEEK_WRITE = 2000  # flights a write: the due ones beyond go in the next
+    PEEK_WRITE = 200  # flights a write: the due ones beyond go in the next
     PEEK_CALL = 200  # flights a script call on one server
     COMPACT_AT = 64  # stale heap items kept at least, before they are left out at once
 
