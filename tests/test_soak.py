@@ -223,13 +223,16 @@ def test_the_short_soak_finds_no_violation(tmp_path: Path) -> None:
     assert summary["ops"]["do"]["ok"] >= 50, output
 
 
-@pytest.mark.timeout(110)
+@pytest.mark.timeout(170)
 def test_the_soak_catches_a_complete_flight_without_its_token_check(tmp_path: Path) -> None:
     # A stale write becomes visible when an owner wakes with its loader done after its lease
     # lapsed, and an invalidation ran or another owner's value was read meanwhile: one 12 s
-    # run shows it about 9 times in 10 (measured), so a silent first run gets a second one.
-    for attempt in range(2):
-        code, summary, output = soak(tmp_path / str(attempt), "--mutant", "skip-fence")
+    # run shows it about 9 times in 10 (measured), so a silent run gets another, with another
+    # seed (two silent runs in a row failed CI once: three make it about 1 in 1,000).
+    for attempt in range(3):
+        code, summary, output = soak(
+            tmp_path / str(attempt), "--mutant", "skip-fence", "--seed", str(7 + attempt)
+        )
         if code != 0:
             break
     assert code == 1, output
