@@ -207,16 +207,26 @@ class Owner:
         return answers
 
     async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
-        """One pipeline renewing every lease given, on the reserved lane."""
-        made = list(self._renew_calls(leases, self.conn.cluster is not None))
-        replies = await self.conn.pipeline_script(
-            LUA["renew_leases"], [call for _, call in made], lane=True
-        )
-        answers = {
-            id(lease): bool(int(ok))
-            for (batch, _), reply in zip(made, replies, strict=True)
-            for lease, ok in zip(batch, reply, strict=True)
-        }
+        """Pipelines renewing every lease given, on the reserved lane, one after another,
+        each of up to ``renew_batch`` flights: on one server one script, on a Cluster one
+        script a slot, sent to their nodes at once. A node runs a pipeline that has arrived
+        whole before it serves anyone else (docs/protocol.md, "One script a write")."""
+        chunks: list[list[tuple[list[Lease], Any]]] = [[]]
+        flights = 0
+        for made in self._renew_calls(leases, self.conn.cluster is not None):
+            if flights and flights + len(made[0]) > self.tuning.renew_batch:
+                chunks.append([])
+                flights = 0
+            chunks[-1].append(made)
+            flights += len(made[0])
+        answers: dict[int, bool] = {}
+        for chunk in chunks:
+            replies = await self.conn.pipeline_script(
+                LUA["renew_leases"], [call for _, call in chunk], lane=True
+            )
+            for (batch, _), reply in zip(chunk, replies, strict=True):
+                for lease, ok in zip(batch, reply, strict=True):
+                    answers[id(lease)] = bool(int(ok))
         return [answers[id(lease)] for lease in leases]
 
     # -- the loader ----------------------------------------------------------------------
