@@ -25,7 +25,14 @@ if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):
             return await aw
 
-else:  # pragma: no cover - Python 3.10 has no asyncio.timeout
+    def cancels_pending() -> int:
+        """How many cancellations of the running task are pending (not yet delivered, or
+        delivered and suppressed without ``uncancel``): compared before and after an await,
+        a rise means the code awaited lost one."""
+        task = asyncio.current_task()
+        return task.cancelling() if task is not None else 0
+
+else:  # pragma: no cover - Python 3.10 has no asyncio.timeout nor Task.cancelling
 
     async def within(aw: Awaitable[T], seconds: float) -> T:
         """``await aw``, raising ``asyncio.TimeoutError`` after ``seconds``.
@@ -51,18 +58,6 @@ else:  # pragma: no cover - Python 3.10 has no asyncio.timeout
             raise
         finally:
             handle.cancel()
-
-
-if sys.version_info >= (3, 11):
-
-    def cancels_pending() -> int:
-        """How many cancellations of the running task are pending (not yet delivered, or
-        delivered and suppressed without ``uncancel``): compared before and after an await,
-        a rise means the code awaited lost one."""
-        task = asyncio.current_task()
-        return task.cancelling() if task is not None else 0
-
-else:  # pragma: no cover - Python 3.10 cannot count them
 
     def cancels_pending() -> int:
         """Always 0 on Python 3.10, which does not count a task's cancellations."""
