@@ -340,7 +340,7 @@ async def run_flights(
     keys: int = 10_000,
     loader_s: float = 20.0,
     single_rounds: int = 100,
-    window_s: float = 3.0,
+    window_s: float = 11.0,
     wave: int = 1_000,
     spread_s: float = 10.0,
     burst_bound_s: float = 20.0,
@@ -368,11 +368,13 @@ async def run_flights(
                     run_id=run_id,
                     keys=keys,
                     loader_s=loader_s,
-                    window_s=window_s,
+                    window_s=window,
                     wave=wave,
                     spread_s=spread,
                 )
-                for spread in (spread_s, loader_s, 0.0)
+                # The renewals are read in the first: over a whole cycle of a bound flight's
+                # own renewals (a third of the 30 s backstop) and ten session ticks.
+                for spread, window in ((spread_s, window_s), (loader_s, 1.0), (0.0, 1.0))
             ]
             plain = await _plain_together(owner, follower, run_id, wave, rounds=3)
     finally:

@@ -1,10 +1,11 @@
 """``python -m model``: check the protocol model over its scopes.
 
 Without arguments, the small scopes (the test suite's); ``--large`` adds the larger ones
-(``make model``). ``--mutant NAME`` checks one mutant in the scope that catches it and
-prints its counterexample; ``--known-issue NAME`` models the code where the model found a
-bug, before its fix (``late-liveness``: 28bd9ef; ``news-drop``: ecab0e6), and prints that
-trace.
+(``make model``); ``--sessions`` runs only the scopes of session leases
+(docs/protocol.md, "Sessions"). ``--mutant NAME`` checks one mutant in the
+scope that catches it and prints its counterexample; ``--known-issue NAME`` models the code
+where the model found a bug, before its fix (``late-liveness``: 28bd9ef; ``news-drop``:
+ecab0e6), and prints that trace.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .check import INVARIANTS, LIVENESS, Result, check
+from .check import INVARIANTS, LIVENESS, SESSION_INVARIANTS, Result, check
 from .model import KNOWN_ISSUES, MUTANTS, Model
 from .scopes import ALL, KNOWN_ISSUE_SCOPES, LARGE, MUTANT_SCOPES, SMALL
 from .scopes import LIVENESS as LIVE_SCOPES
@@ -31,7 +32,8 @@ def report(res: Result, *, verbose: bool = True) -> None:
         for i, step in _numbered(res.trace, res.tick_s):
             print(f"    {i:>5}. {step}")
     elif verbose:
-        for name in INVARIANTS:
+        more = SESSION_INVARIANTS if ALL[res.scope].sessions else {}
+        for name in (*INVARIANTS, *more):
             print(f"  holds  {name}")
     for name, verdict in res.liveness.items():
         print(f"  {'holds ' if verdict == 'holds' else 'FAILS '} {name} ({verdict})")
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scope", choices=sorted(ALL), action="append", help="run only these")
     parser.add_argument("--large", action="store_true", help="also the larger scopes")
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="only the scopes of session leases (docs/protocol.md, Sessions), small and large",
+    )
     parser.add_argument("--max-states", type=int, default=0, help="stop after this many")
     parser.add_argument(
         "--no-peek",
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for scope in ALL.values():
             print(f"{scope.name}: {scope.doc}\n    {scope.describe()}")
-        for name, text in {**INVARIANTS, **LIVENESS}.items():
+        for name, text in {**INVARIANTS, **SESSION_INVARIANTS, **LIVENESS}.items():
             print(f"{name}: {text}")
         for name, text in MUTANTS.items():
             print(f"mutant {name} (scope {MUTANT_SCOPES[name]}): {text}")
@@ -100,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.scope:
         scopes = [ALL[n] for n in args.scope]
+    elif args.sessions:
+        scopes = [s for s in ALL.values() if s.sessions]
     else:
         scopes = [*SMALL, *LIVE_SCOPES, *(LARGE if args.large else ())]
     failed = False

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .model import Model
+from .scripts import live
 from .state import World
 
 INVARIANTS = {
@@ -52,6 +53,16 @@ INVARIANTS = {
         "it took (or is told StreamRestarted)"
     ),
     "nostore_never_stored": "a store=False flight never leaves a stored result",
+}
+
+# Checked in the scopes with sessions only (docs/protocol.md, "Sessions"): the model does not track
+# an unbound owner's own proof, so elsewhere there is nothing to compare.
+SESSION_INVARIANTS = {
+    "owner_view_within_servers": (
+        "an owner's loader runs on a flight bound to its session, its session's proof holding "
+        "(the loader's lease_left > 0), only while meta is live under its token on the server "
+        "(without a server restart or failover)"
+    ),
 }
 
 LIVENESS = {
@@ -188,9 +199,10 @@ def _liveness(m: Model, edges: dict) -> tuple[dict[str, str], World | None]:
 
 
 def _orphaned(world: World) -> bool:
-    """Nobody holds the flight: meta is a crashed process's, or gone while followers wait."""
+    """Nobody holds the flight: meta is a crashed process's, or gone while followers wait,
+    or (with sessions) present but not live while they wait: its session is dead."""
     s = world.server
-    if s.meta:
+    if s.meta and live(s, s.meta[0]):
         return not world.procs[s.meta[0].owner].alive
     return any(p.pc in ("follow", "sleep") for p in world.procs if p.alive)
 

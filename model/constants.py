@@ -30,6 +30,13 @@ TAKEOVER_MAX_RANK = 16
 WAIT_BOUND_FACTOR = 2  # 2 x (timeout + lease) + WAIT_BOUND_EXTRA_S
 WAIT_BOUND_EXTRA_S = 1.0
 CANCEL_GRACE_S = 1.0
+# Sessions (docs/protocol.md, "Sessions"): a flight bound to its owner's session keeps meta
+# for the backstop B and renews it every B/3; its liveness is the session key's (TTL lease,
+# renewed every lease/3). The code's B is Tuning.session_backstop_ms (30 s for the 3 s
+# lease); the arguments need only B > lease (a bound meta outlives the session that proves
+# it), and the smallest B whose B/3 is a whole tick keeps the state space small: 6 s.
+SESSION_BACKSTOP_S = 2 * LEASE_S
+BACKSTOP_RENEW_EVERY_S = SESSION_BACKSTOP_S / 3
 
 
 def wait_bound_s(timeout_s: float, lease_s: float) -> float:
@@ -62,6 +69,8 @@ class Timing:
     skew: int
     node_ttl: int
     node_renew: int
+    backstop: int = 0  # a session-bound meta's TTL (B)
+    backstop_renew: int = 0  # a bound flight's own renewal period (B/3)
 
     def wait_bound(self, timeout_s: float) -> int:
         """A call's wait bound in ticks, for a call made with ``timeout=timeout_s``."""
@@ -77,8 +86,10 @@ class Timing:
         lease = _exact(LEASE_S, tick_s, "lease")
         renew = _exact(RENEW_EVERY_S, tick_s, "lease/3")
         margin = max(1, math.ceil(BLOCK_MARGIN_MS / 1000 / tick_s - 1e-9))
+        backstop = _exact(SESSION_BACKSTOP_S, tick_s, "the session backstop")
+        backstop_renew = _exact(BACKSTOP_RENEW_EVERY_S, tick_s, "the backstop's B/3")
         if not leases_for_readers:  # no read leases in the scope: their figures unused
-            return cls(tick_s, lease, renew, margin, 0, 0, 0, 0)
+            return cls(tick_s, lease, renew, margin, 0, 0, 0, 0, backstop, backstop_renew)
         return cls(
             tick_s,
             lease,
@@ -88,4 +99,6 @@ class Timing:
             _exact(SKEW_MARGIN_S, tick_s, "skew_margin"),
             _exact(NODE_TTL_S, tick_s, "node_ttl"),
             _exact(NODE_RENEW_EVERY_S, tick_s, "node_ttl/3"),
+            backstop,
+            backstop_renew,
         )

@@ -21,16 +21,20 @@ if TYPE_CHECKING:
 LOCAL_TIMER_PHASES = ("run", "follow", "list", "publish", "await")
 
 
-def _tick_server(server: Server, liveness: bool = True) -> Server:
+def _tick_server(server: Server, liveness: bool = True, backstop: bool = True) -> Server:
     meta = server.meta
-    if meta:
+    if meta and (backstop or not meta[0].se):  # no backstop: a bound meta never lapses
         left = meta[0].ttl - 1
         meta = (meta[0]._replace(ttl=left),) if left > 0 else ()  # the lease lapses
     marker = server.marker
     if marker:
         marker = (marker[0], marker[1] - 1) if marker[1] > 1 else ()
     nodes = tuple(max(0, n - 1) for n in server.nodes) if liveness else server.nodes
-    return server._replace(meta=meta, marker=marker, nodes=nodes)
+    if not server.sessions:
+        return server._replace(meta=meta, marker=marker, nodes=nodes)
+    # a session key lapses like meta: at 0 it is gone (its epoch with it)
+    sessions = tuple((e, left - 1) if left > 1 else (0, 0) for e, left in server.sessions)
+    return server._replace(meta=meta, marker=marker, nodes=nodes, sessions=sessions)
 
 
 def _shift(proc: Proc, d: int, liveness: bool = True) -> Proc:
@@ -53,6 +57,10 @@ def _shift(proc: Proc, d: int, liveness: bool = True) -> Proc:
         changes["due"] = max(0, proc.due + d)
     if proc.ltimer > 0:
         changes["ltimer"] = max(0, proc.ltimer + d)
+    if proc.sproof:
+        changes["sproof"] = max(0, proc.sproof + d)
+    if proc.sbeat:
+        changes["sbeat"] = max(0, proc.sbeat + d)
     return proc._replace(**changes) if changes else proc
 
 
@@ -70,10 +78,36 @@ def _drift(proc: Proc, d: int) -> Proc:
 
 def tick(m: Model, world: World) -> World:
     procs = tuple(_shift(p, -1, m.scope.liveness) if p.alive else p for p in world.procs)
-    undo = tuple(_tick_server(s, m.scope.liveness) for s in world.undo)
-    return world._replace(
-        server=_tick_server(world.server, m.scope.liveness), procs=procs, undo=undo
+    live, backstop = m.scope.liveness, m.scope.backstop
+    undo = tuple(_tick_server(s, live, backstop) for s in world.undo)
+    world = world._replace(
+        server=_tick_server(world.server, live, backstop), procs=procs, undo=undo
     )
+    return _renew_sessions(m, world) if m.scope.sessions else world
+
+
+def _renew_sessions(m: Model, world: World) -> World:
+    """The sessions' renewals due at this tick, of running nodes whose key still holds
+    their epoch, go first in the tick (renewals run on a thread of their own): the same
+    renew_session as ``procs.session_steps``, which takes every other renewal (a node that
+    resumes, one whose key is gone) as a step of its own. So the renewals of healthy
+    sessions do not interleave with the tick's other steps (a follower that joins or peeks
+    in the tick reads the session's full lease, one tick more than just before it)."""
+    t = m.t
+    procs = list(world.procs)
+    servers = [world.server, *world.undo]
+    for pid, p in enumerate(procs):
+        key = world.server.sessions[pid]
+        if p.alive and not p.paused and p.est and p.sbeat == 0 and p.sproof and key[1]:
+            if key[0] != p.epoch:
+                continue
+            procs[pid] = p._replace(sproof=t.lease, sbeat=t.renew)
+            for i, s in enumerate(servers):  # the replica has every renewal
+                if s.sessions[pid][0] == p.epoch:
+                    sessions = list(s.sessions)
+                    sessions[pid] = (p.epoch, t.lease)
+                    servers[i] = s._replace(sessions=tuple(sessions))
+    return world._replace(procs=tuple(procs), server=servers[0], undo=tuple(servers[1:]))
 
 
 def _lost_listener(proc: Proc) -> Proc:
@@ -174,9 +208,9 @@ def faults(m: Model, world: World) -> Iterator[Step]:
         if b.close and proc.pc == "run" and not proc.paused:
             yield _close(m, world, pid, proc)
     if b.restart:
-        empty = Server(
-            MISSING, (), (), (), (), (0,) * len(world.server.nodes), (), world.server.next_id
-        )
+        s = world.server
+        sessions = ((0, 0),) * len(s.sessions)  # session keys are gone too
+        empty = Server(MISSING, (), (), (), (), (0,) * len(s.nodes), (), s.next_id, sessions)
         yield _server_fault(
             world, empty, b._replace(restart=b.restart - 1), "the server restarts empty"
         )
@@ -218,7 +252,7 @@ def _close(m: Model, world: World, pid: int, proc: Proc) -> Step:
     from .procs import _put
 
     claim = 0 if m.scope.token_in_join else proc.claim
-    server, _code, wake = scripts.fail_flight(world.server, proc.token, claim, "reset")
+    server, _code, wake = scripts.fail_flight(world.server, proc.token, claim, "reset", m.mutant)
     w = _put(world, pid, proc._replace(alive=False, pc="idle"), server, wake=wake)
     w = w._replace(budget=w.budget._replace(close=w.budget.close - 1))
     return f"p{pid} is closed and gives its flight back (reset)", None, w, ()

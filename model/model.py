@@ -32,6 +32,13 @@ MUTANTS = {
     ),
     "no-chunk-fence": "append_chunks appends without checking the owner's token",
     "nostore-stores": "complete_flight stores the result of a store=False flight (TTL 0)",
+    "session-renew-creates": (
+        "a session's renewal recreates its key when it is missing (a lapsed epoch comes back)"
+    ),
+    "fence-ignores-session": "owns checks the token only, not that the flight's session holds",
+    "join-keeps-dead-meta": (
+        "join_flight follows a meta whose session is dead, as if it were live (no DEL)"
+    ),
 }
 
 LAZY = ("start", "loader", "append")  # steps that may wait any number of ticks
@@ -72,6 +79,10 @@ class Scope:
     timeouts: tuple[float, ...] = ()  # per process, its calls' timeout (s); 0 or absent: the
     # wait bound is not modelled (the default 60 s: no deadline within the run's reach)
     chunks: int = 2  # how many chunks a stream's producer yields at most, per run
+    sessions: bool = False  # session leases (docs/protocol.md "Sessions", one server only): each
+    # process starts with a session established (a node that has run for a while)
+    backstop: bool = True  # sessions: False: a bound meta never lapses by its TTL (B taken
+    # as unbounded), so a dead owner's flight can end only by its session's liveness
     doc: str = ""
 
     def timeout(self, pid: int) -> float:
@@ -94,6 +105,10 @@ class Scope:
         if any(self.timeouts):
             shown = ", ".join(f"p{i} {t:g} s" for i, t in enumerate(self.timeouts) if t)
             extra.append(f"timeout {shown}")
+        if self.sessions:
+            extra.append("sessions (established at the start)")
+            if not self.backstop:
+                extra.append("no backstop (a bound meta never lapses)")
         if any("stream" in o for o in self.ops):
             extra.append(f"at most {self.chunks} chunk{'s' if self.chunks > 1 else ''} a run")
         return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"
@@ -109,6 +124,8 @@ class Model:
     ):
         if mutant and mutant not in MUTANTS:
             raise ValueError(f"unknown mutant {mutant!r}")
+        if scope.sessions and (not scope.token_in_join or scope.near):
+            raise ValueError("sessions are modelled on one server, in flight scopes only")
         self.scope = scope
         # A follower's re-check starts with peek_flight (is the claim it follows still the
         # flight's?) and joins only when it is not (0cfd53e); False: the re-check before it,
@@ -147,13 +164,30 @@ class Model:
         if near:
             proc = Proc(live=t.node_ttl, beat=t.node_renew if self.scope.liveness else 0)
         ghost = Ghost(ever_stored=frozenset({INITIAL}) if self.scope.initial else frozenset())
-        return World(server, (proc,) * n, ghost, self.scope.budget, ())
+        procs = (proc,) * n
+        if self.scope.sessions:  # each node's session, epoch pid + 1, renewed just now
+            server = server._replace(sessions=tuple((p + 1, t.lease) for p in range(n)))
+            procs = tuple(
+                proc._replace(epoch=p + 1, est=True, sproof=t.lease, sbeat=t.renew)
+                for p in range(n)
+            )
+            ghost = ghost._replace(epochs=n)
+        return World(server, procs, ghost, self.scope.budget, ())
 
     def successors(self, world: World) -> Iterator[procs.Step]:
         """Every step from ``world``. Time is prompt for running processes (maximal
         progress): a tick comes only when no live, running process has a step to take
         other than starting an operation or ending its loader, which take any time. A
-        process slower than that is a paused one (a fault)."""
+        process slower than that is a paused one (a fault). With sessions, every step's
+        result is also checked for ``owner_view_within_servers``."""
+        if not self.scope.sessions:
+            return self._steps(world)
+        return (
+            (label, fair, nxt, (*why, *procs.owner_views(nxt)))
+            for label, fair, nxt, why in self._steps(world)
+        )
+
+    def _steps(self, world: World) -> Iterator[procs.Step]:
         urgent = False
         for pid, proc in enumerate(world.procs):
             if not proc.alive or proc.paused:
@@ -166,7 +200,9 @@ class Model:
                 steps = invals.inval_steps(self, world, pid, proc)
             else:
                 steps = procs.do_steps(self, world, pid, proc)
-            for step in itertools.chain(steps, env.node_steps(self, world, pid, proc)):
+            node = env.node_steps(self, world, pid, proc)
+            sessions = procs.session_steps(self, world, pid, proc)
+            for step in itertools.chain(steps, node, sessions):
                 urgent = urgent or step[1][1] not in LAZY
                 yield step
         yield from env.faults(self, world)
@@ -264,7 +300,19 @@ def _rename_server(s: Server, perm: tuple[int, ...]) -> Server:
             renamed[perm[i]] = left
         nodes = tuple(renamed)
     acks = tuple(sorted((i, perm[q]) for i, q in s.acks))
-    return s._replace(meta=meta, waiters=tuple(perm[w] for w in s.waiters), nodes=nodes, acks=acks)
+    sessions = s.sessions
+    if sessions:
+        moved: list[tuple[int, int]] = [(0, 0)] * len(sessions)
+        for i, key in enumerate(sessions):
+            moved[perm[i]] = key
+        sessions = tuple(moved)
+    return s._replace(
+        meta=meta,
+        waiters=tuple(perm[w] for w in s.waiters),
+        nodes=nodes,
+        acks=acks,
+        sessions=sessions,
+    )
 
 
 def _rename(world: World, perm: tuple[int, ...]) -> World:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from . import scripts, streams
-from .state import ERROR, MISSING, TIMEOUT, Entry, Proc, World
+from .state import ERROR, MISSING, TIMEOUT, Entry, Ghost, Proc, World
 
 if TYPE_CHECKING:
     from .model import Model
@@ -57,6 +57,10 @@ def _done(m: Model, world: World, pid: int, proc: Proc, value: int, why: list[st
         inbox=proc.inbox,
         acks=proc.acks,
         drift=proc.drift,
+        epoch=proc.epoch,
+        est=proc.est,
+        sproof=proc.sproof,
+        sbeat=proc.sbeat,
     )
 
 
@@ -98,6 +102,8 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
     new proc and the ghost (a claim may be checked)."""
     kind = reply[0]
     t = m.t
+    if proc.bound:  # whatever flight it held is over; a claim below sets it again
+        proc = proc._replace(bound=False)
     if kind == "hit":
         _, value, marked = reply
         if m.scope.near:
@@ -116,7 +122,7 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
             wait=_sent(m, proc) if m.scope.near else 0,
         ), None
     if kind == "claimed":
-        _, entry, token = reply
+        _, entry, token, se = reply
         if proc.gen:
             for e in world.server.stream:
                 if e.t in ("done", "error") and e.tok >= proc.gen:
@@ -129,7 +135,9 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
         if stream:  # this process becomes the owner: a new generation, its own
             proc = streams.new_generation(m, proc, entry)
         if token:
-            return proc._replace(pc="run", timer=t.renew, wait=0, ltimer=m.bounds[pid][1]), None
+            every = t.backstop_renew if se else t.renew  # a bound flight's own: every B/3
+            proc = proc._replace(pc="run", timer=every, wait=0, ltimer=m.bounds[pid][1])
+            return proc._replace(bound=bool(se)), None
         return proc._replace(pc="incr", timer=0, wait=0), None
     if kind == "vacant":
         return proc._replace(pc="sleep", timer=0, wait=0), None
@@ -154,9 +162,7 @@ def _claims(m: Model, world: World, reply: tuple):
 
 def _join(m: Model, world: World, pid: int, proc: Proc, mode: str, since: int, label: str):
     why: list[str] = []
-    server, reply, wake = scripts.join_flight(
-        world.server, pid, mode, since, m.t.lease, m.scope.token_in_join, m.mutant
-    )
+    server, reply, wake = scripts.join_flight(world.server, pid, mode, since, *_join_args(m, proc))
     ghost = _claims(m, world, reply)
     if ghost is None:
         return None
@@ -166,14 +172,33 @@ def _join(m: Model, world: World, pid: int, proc: Proc, mode: str, since: int, l
         proc = _done(m, world, pid, proc, TIMEOUT, why)
         shown += ", past the wait bound: FlightTimeout"
         if reply[0] == "claimed" and reply[2]:  # a claim with its token: given back at once
-            server, _code, more = scripts.fail_flight(server, reply[2], 0, "reset")
+            server, _code, more = scripts.fail_flight(server, reply[2], 0, "reset", m.mutant)
             wake = (*wake, *more)
             shown += " (the claim given back)"
         elif reply[0] == "claimed":  # a Cluster's claim without its token yet
             shown += " (the claim is left to lapse)"
     else:
         proc, _ = _on_join(m, world, pid, proc, reply, why)
+        proc, ghost = _start_session(m, proc, reply, ghost)
     return (f"{label} -> {shown}", _put(world, pid, proc, server, ghost, wake), why)
+
+
+def _join_args(m: Model, proc: Proc) -> tuple[int, bool, str, int, int]:
+    """join_flight's arguments after the position: the lease, whether it takes the token,
+    the mutant, and the session it carries (once its create was answered) with B."""
+    epoch = proc.epoch if proc.est else 0
+    return (m.t.lease, m.scope.token_in_join, m.mutant, epoch, m.t.backstop)
+
+
+def _start_session(
+    m: Model, proc: Proc, reply: tuple[object, ...], ghost: Ghost
+) -> tuple[Proc, Ghost]:
+    """A claim by a node with no session starts one: a fresh epoch, whose create is sent
+    next (``session_steps``); claims bind to it once the create was answered."""
+    if not m.scope.sessions or proc.epoch or reply[0] != "claimed":
+        return proc, ghost
+    epoch = ghost.epochs + 1
+    return proc._replace(epoch=epoch), ghost._replace(epochs=epoch)
 
 
 def _show(reply: tuple) -> str:
@@ -183,7 +208,8 @@ def _show(reply: tuple) -> str:
     if kind == "follow":
         return f"follow token {reply[1]} from {reply[4]}, lease {reply[2]}, rank {reply[3]}"
     if kind == "claimed":
-        return f"claimed entry {reply[1]}" + (f", token {reply[2]}" if reply[2] else "")
+        shown = f"claimed entry {reply[1]}" + (f", token {reply[2]}" if reply[2] else "")
+        return shown + (f", bound to session {reply[3]}" if reply[3] else "")
     if kind == "vacant":
         return f"vacant, rank {reply[1]}"
     return f"ended: {reply[1]} v{reply[2]}"
@@ -314,10 +340,10 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
 def _peek(m: Model, world: World, pid: int, proc: Proc) -> Step:
     """peek_flight.lua: while meta still holds the claim the follower follows, the lease
     it has left (wait again); else a join in mode first (pc 'recheck', the next step)."""
-    meta = world.server.meta
-    if meta and meta[0].claim == proc.gen:
-        nxt = proc._replace(timer=meta[0].ttl + m.t.margin)
-        shown = f"claim {proc.gen} holds, lease {meta[0].ttl}"
+    left = scripts.peek_flight(world.server, proc.gen)
+    if left >= 0:
+        nxt = proc._replace(timer=left + m.t.margin)
+        shown = f"claim {proc.gen} holds, lease {left}"
     else:
         nxt = proc._replace(pc="recheck")
         shown = "-1"
@@ -329,7 +355,7 @@ def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     why: list[str] = []
     t = m.t
     server, reply, wake = scripts.join_flight(
-        world.server, pid, "first", proc.cursor, t.lease, m.scope.token_in_join, m.mutant
+        world.server, pid, "first", proc.cursor, *_join_args(m, proc)
     )
     ghost = _claims(m, world, reply)
     if ghost is None:
@@ -351,6 +377,7 @@ def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         )
     else:
         nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
+        nxt, ghost = _start_session(m, nxt, reply, ghost)
     w = _put(world, pid, nxt, server, ghost, wake)
     yield f"p{pid} re-check -> {shown}", (pid, "recheck-join"), w, tuple(why)
 
@@ -390,15 +417,79 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         w = _put(world, pid, nxt, ghost=g)
         yield f"p{pid} loader returns {shown}", (pid, "loader"), w, tuple(why)
     if proc.timer == 0 and not proc.refused:
-        server, ok = scripts.renew_leases(world.server, proc.token, _claim(m, proc), m.t.lease)
-        if ok:
-            nxt = proc._replace(timer=m.t.renew)
-        elif m.mutant == "no-cancel":
-            nxt = proc._replace(refused=True, timer=0)
-        else:  # give_up: the loader is cancelled, Lost: join again from the claim entry
-            nxt = proc._replace(pc="join", mode="always", since=proc.claim, timer=0, ltimer=-1)
+        t = m.t
+        ttl, every = (t.backstop, t.backstop_renew) if proc.bound else (t.lease, t.renew)
+        server, ok = scripts.renew_leases(world.server, proc.token, _claim(m, proc), ttl, m.mutant)
+        nxt = proc._replace(timer=every) if ok else _give_up(m, proc)
         w = _put(world, pid, nxt, server)
         yield f"p{pid} renew -> {'ok' if ok else 'refused'}", (pid, "renew"), w, ()
+
+
+def _give_up(m: Model, proc: Proc) -> Proc:
+    """heartbeat.py give_up: the loader is cancelled, Lost: join again from the claim
+    entry. Mutant no-cancel: the loader runs on (its renewals stop)."""
+    if m.mutant == "no-cancel":
+        return proc._replace(refused=True, timer=0)
+    return proc._replace(pc="join", mode="always", since=proc.claim, timer=0, ltimer=-1)
+
+
+def session_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
+    """The node's session on the server (docs/protocol.md, "Sessions"): the create a claim
+    started, a renewal every lease/3 (proven from when it was sent), and, when a renewal
+    is refused or its proof runs out, the flight bound to it given up and the epoch retired
+    (the next claim starts a new one). A crashed or paused node takes none of these."""
+    if not proc.epoch:
+        return
+    t = m.t
+    if not proc.est:  # renew_session create: the key is set whatever it held
+        server, _ok = scripts.renew_session(world.server, pid, proc.epoch, True, t.lease, m.mutant)
+        nxt = proc._replace(est=True, sproof=t.lease, sbeat=t.renew)
+        w = _put(world, pid, nxt, server)
+        yield f"p{pid} renew_session create {proc.epoch} -> 1", (pid, "session"), w, ()
+        return
+    if proc.sbeat == 0:
+        server, ok = scripts.renew_session(world.server, pid, proc.epoch, False, t.lease, m.mutant)
+        nxt = proc._replace(sproof=t.lease, sbeat=t.renew) if ok else _session_lost(m, proc)
+        w = _put(world, pid, nxt, server)
+        shown = f"p{pid} renew_session {proc.epoch} -> {ok:d}"
+        if not ok:
+            shown += _lost_shown(proc)
+        yield shown, (pid, "session"), w, ()
+    if proc.sproof == 0:  # it may have lapsed on the server: given up without asking
+        w = _put(world, pid, _session_lost(m, proc))
+        label = f"p{pid}'s session {proc.epoch} is past its proof{_lost_shown(proc)}"
+        yield label, (pid, "session-lapse"), w, ()
+
+
+def _session_lost(m: Model, proc: Proc) -> Proc:
+    if proc.bound and proc.pc == "run":  # the loader of the flight bound to it is cancelled
+        proc = _give_up(m, proc)
+    return proc._replace(epoch=0, est=False, sproof=0, sbeat=0, bound=False)
+
+
+def owner_views(world: World) -> tuple[str, ...]:
+    """owner_view_within_servers: an owner whose loader runs on a bound flight believes it
+    holds the flight while its session's proof holds (its loader's ``lease_left``: the
+    earlier of the flight's proof and the session's); the server must agree then: meta is
+    live and holds its token (not across a server restart or failover)."""
+    s = world.server
+    if world.ghost.server_fault:
+        return ()
+    for pid, p in enumerate(world.procs):
+        if not (p.alive and p.pc == "run" and p.bound and p.sproof):
+            continue
+        if not s.meta or s.meta[0].token != p.token or not scripts.live(s, s.meta[0]):
+            return (
+                f"owner_view_within_servers: p{pid}'s loader holds flight {p.claim} by its "
+                f"session {p.epoch}'s proof ({p.sproof} ticks left), which the server no "
+                "longer gives it",
+            )
+    return ()
+
+
+def _lost_shown(proc: Proc) -> str:
+    held = proc.bound and proc.pc == "run"
+    return ": its flight given up, the epoch retired" if held else ": the epoch retired"
 
 
 def _append(m: Model, world: World, pid: int, proc: Proc) -> Step:
@@ -439,7 +530,9 @@ def _write(m: Model, world: World, pid: int, proc: Proc) -> Step:
     g = world.ghost
     server0 = world.server
     if proc.outcome == ERROR:
-        server, code, wake = scripts.fail_flight(server0, proc.token, _claim(m, proc), "error")
+        server, code, wake = scripts.fail_flight(
+            server0, proc.token, _claim(m, proc), "error", m.mutant
+        )
         if code:
             nxt = _done(m, world, pid, proc, ERROR, why)
         else:

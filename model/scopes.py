@@ -84,6 +84,15 @@ SMALL += (
         doc="a store=False call and a plain one coalescing: whose flight stores is its "
         "owner's call",
     ),
+    Scope(
+        "sessions-2",
+        (("do",), ("do",)),
+        sessions=True,
+        budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,  # liveness is checked too: a dead session's flight is taken over
+        doc="session leases (docs/protocol.md, Sessions): flights bound to "
+        "their owner's session, a crash, a pause past the session's lease, a lost message",
+    ),
 )
 
 LIVENESS = (
@@ -184,6 +193,42 @@ LARGE += (
         "crash and a closed owner (bound-2 and bound-2-close lose messages)",
     ),
     Scope(
+        "sessions-unbacked-2",
+        (("do",), ("do",)),
+        sessions=True,
+        backstop=False,
+        budget=Budget(crash=1, pause=1, lose=1),
+        symmetry=False,
+        doc="sessions-2 with the backstop B unbounded: a dead owner's flight is taken over by "
+        "its session's lapse alone, never by its meta lapsing",
+    ),
+    Scope(
+        "sessions-close-2",
+        (("do",), ("do",)),
+        sessions=True,
+        budget=Budget(crash=1, pause=1, lose=1, close=1),
+        symmetry=False,
+        doc="sessions-2 with a closed owner too (its reset deletes a bound meta)",
+    ),
+    Scope(
+        "sessions-restart-2",
+        (("do",), ("do",)),
+        sessions=True,
+        flights=2,
+        budget=Budget(pause=1, restart=1),
+        doc="sessions through a server restart (every session key gone, each node's belief "
+        "in its own left to its next renewal) and a pause",
+    ),
+    Scope(
+        "sessions-failover-2",
+        (("do",), ("do",)),
+        sessions=True,
+        flights=2,
+        budget=Budget(pause=1, failover=1),
+        doc="sessions through a failover to a replica that missed the last write (a create, "
+        "a renewal after a pause, a claim, a DEL of a dead meta) and a pause",
+    ),
+    Scope(
         "streams-2-chunks",
         (("stream",), ("stream",)),
         chunks=2,
@@ -221,6 +266,12 @@ MUTANT_SCOPES = {
     "no-restart": "streams-2",
     "no-chunk-fence": "streams-2",
     "nostore-stores": "nostore-2",
+    "session-renew-creates": "sessions-2",
+    "fence-ignores-session": "sessions-2",
+    # With the design's backstop B a join that follows a dead meta only delays the takeover
+    # until B lapses (every property checked here holds in sessions-2): caught where B is
+    # unbounded, so that only the session's liveness can end a dead owner's flight.
+    "join-keeps-dead-meta": "sessions-unbacked-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

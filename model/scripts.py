@@ -25,10 +25,32 @@ def _append(
     return Entry(server.next_id, entry_t, tok, v, stored, n)
 
 
+def live(server: Server, meta: Meta) -> bool:
+    """Whether meta's flight runs (docs/protocol.md, "Sessions"): it is unbound, or its
+    owner node's session key holds the epoch it is bound to."""
+    return not meta.se or server.sessions[meta.owner][0] == meta.se
+
+
+def lease_left(server: Server, meta: Meta) -> int:
+    """The lease left that join_flight and peek_flight answer: the session key's PTTL for a
+    bound flight (0 when the key is gone), meta's own for an unbound one."""
+    return server.sessions[meta.owner][1] if meta.se else meta.ttl
+
+
 def join_flight(
-    server: Server, pid: int, mode: str, since: int, lease: int, token_in_join: bool, mutant: str
+    server: Server,
+    pid: int,
+    mode: str,
+    since: int,
+    lease: int,
+    token_in_join: bool,
+    mutant: str,
+    epoch: int = 0,
+    backstop: int = 0,
 ) -> tuple[Server, tuple, Wake]:
-    """join_flight.lua (no refresh, no driver retries: a claim id is never sent twice)."""
+    """join_flight.lua (no refresh, no driver retries: a claim id is never sent twice).
+    ``epoch``: the caller's session (0: the join carries none); a claim binds to it when
+    the caller's session key holds it, with meta's TTL the ``backstop``."""
     if server.result != MISSING:
         return server, ("hit", server.result, bool(server.marker)), ()
     if since and mutant != "no-since":
@@ -41,7 +63,7 @@ def join_flight(
             elif e.t in ("done", "error"):
                 return server, ("ended", e.t, e.v, crossed, e.n), ()
     rank = server.waiters.index(pid) if pid in server.waiters else -1
-    if server.meta:
+    if server.meta and (live(server, server.meta[0]) or mutant == "join-keeps-dead-meta"):
         meta = server.meta[0]
         waiters = server.waiters
         if rank < 0:
@@ -49,23 +71,26 @@ def join_flight(
             waiters = (*waiters, pid)
         return (
             server._replace(waiters=waiters),
-            ("follow", meta.token, meta.ttl, rank, meta.claim),
+            ("follow", meta.token, lease_left(server, meta), rank, meta.claim),
             (),
         )
+    if server.meta:  # present but not live: deleted, then the vacant path, as if it lapsed
+        server = server._replace(meta=())
     if mode == "first" and rank != 0:
         return server, ("vacant", rank), ()
     entry = _append(server, "claimed", server.next_id)
     waiters = tuple(w for w in server.waiters if w != pid)
     wake = _wake(server, waiters, (entry,))
     token = entry.id if token_in_join else 0
-    meta = Meta(token, entry.id, lease, False, pid)
+    se = epoch if epoch and server.sessions[pid][0] == epoch else 0
+    meta = Meta(token, entry.id, backstop if se else lease, False, pid, se)
     server = server._replace(
         meta=(meta,),
         waiters=waiters,
         stream=(*server.stream, entry),
         next_id=server.next_id + 1,
     )
-    return server, ("claimed", entry.id, token), wake
+    return server, ("claimed", entry.id, token, se), wake
 
 
 def confirm_claim(server: Server, claim: int, lease: int) -> tuple[Server, bool]:
@@ -77,13 +102,17 @@ def confirm_claim(server: Server, claim: int, lease: int) -> tuple[Server, bool]
     return server._replace(meta=(meta,)), True
 
 
-def owns(server: Server, token: int, claim: int) -> tuple[Server, bool]:
+def owns(server: Server, token: int, claim: int, mutant: str = "") -> tuple[Server, bool]:
     """_fence.lua: whether ``token`` holds the flight. A claim made without a token (a
     Cluster) is confirmed by the owner's first fenced write, which carries its claim id
-    (``claim``; 0 where the join took the token), if confirm_claim has not done it."""
+    (``claim``; 0 where the join took the token), if confirm_claim has not done it. With
+    sessions, false unless the flight is live (mutant fence-ignores-session: the token
+    only)."""
     if not server.meta:
         return server, False
     meta = server.meta[0]
+    if not live(server, meta) and mutant != "fence-ignores-session":
+        return server, False
     if meta.token:
         return server, meta.token == token
     if claim and meta.claim == claim:
@@ -91,11 +120,36 @@ def owns(server: Server, token: int, claim: int) -> tuple[Server, bool]:
     return server, False
 
 
-def renew_leases(server: Server, token: int, claim: int, lease: int) -> tuple[Server, bool]:
-    server, ok = owns(server, token, claim)
+def renew_leases(
+    server: Server, token: int, claim: int, lease: int, mutant: str = ""
+) -> tuple[Server, bool]:
+    """``lease``: meta's new TTL (the backstop for a flight bound to a session)."""
+    server, ok = owns(server, token, claim, mutant)
     if not ok:
         return server, False
     return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
+
+
+def peek_flight(server: Server, claim: int) -> int:
+    """peek_flight.lua: the lease left while meta is live and holds ``claim``, else -1."""
+    if server.meta and server.meta[0].claim == claim and live(server, server.meta[0]):
+        return lease_left(server, server.meta[0])
+    return -1
+
+
+def renew_session(
+    server: Server, pid: int, epoch: int, create: bool, lease: int, mutant: str
+) -> tuple[Server, bool]:
+    """renew_session.lua (designed): a create sets the node's key to ``epoch`` for a lease,
+    unconditionally; a renewal extends it only while it holds ``epoch``. A renewal never
+    creates the key (mutant session-renew-creates: it recreates a missing one)."""
+    held, left = server.sessions[pid]
+    recreate = mutant == "session-renew-creates" and not left
+    if not (create or held == epoch or recreate):
+        return server, False
+    sessions = list(server.sessions)
+    sessions[pid] = (epoch, lease)
+    return server._replace(sessions=tuple(sessions)), True
 
 
 def append_chunks(
@@ -104,7 +158,7 @@ def append_chunks(
     """append_chunks.lua, one chunk (the code batches what was queued meanwhile: the same
     entries, in the same order): 1 appended, 0 fenced."""
     if mutant != "no-chunk-fence":
-        server, ok = owns(server, token, claim)
+        server, ok = owns(server, token, claim, mutant)
         if not ok:
             return server, 0, ()
     entry = _append(server, "chunk", token, seq)
@@ -124,7 +178,7 @@ def complete_flight(
     """1 stored, 2 delivered but not stored (TTL 0: ``store=False``; or an invalidation
     marked the flight), 0 fenced. ``n``: a stream flight's chunk count."""
     if mutant != "no-token-check":
-        server, ok = owns(server, token, claim)
+        server, ok = owns(server, token, claim, mutant)
         if not ok:
             return server, 0, ()
     marked = bool(server.meta) and server.meta[0].invalidated
@@ -141,10 +195,12 @@ def complete_flight(
     return server, (1 if stored else 2), wake
 
 
-def fail_flight(server: Server, token: int, claim: int, kind: str) -> tuple[Server, int, Wake]:
+def fail_flight(
+    server: Server, token: int, claim: int, kind: str, mutant: str = ""
+) -> tuple[Server, int, Wake]:
     """An error (not negative-cached: the loader timed out, or its error TTL is 0) or a
     reset (the owner gives the flight back); waiters stay after a reset."""
-    server, ok = owns(server, token, claim)
+    server, ok = owns(server, token, claim, mutant)
     if not ok:
         return server, 0, ()
     entry = _append(server, kind, token)

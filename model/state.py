@@ -39,7 +39,8 @@ class Meta(NamedTuple):
     claim: int  # the claim id: its claimed entry's id (claimEntry)
     ttl: int  # ticks left on the server's clock
     invalidated: bool
-    owner: int  # pid (for symmetry renaming and traces only)
+    owner: int  # pid (its session key's node; for symmetry renaming and traces)
+    se: int = 0  # the session epoch the flight is bound to (0: unbound; scopes with sessions)
 
 
 class Server(NamedTuple):
@@ -51,6 +52,8 @@ class Server(NamedTuple):
     nodes: tuple[int, ...]  # per pid: ticks left on its liveness key (0: absent)
     acks: tuple[tuple[int, int], ...]  # (invalidation id, pid) pushed to ack lists, sorted
     next_id: int  # the next stream entry id (the server's time, never reset)
+    # per pid: its session key (epoch, ticks left), (0, 0) when absent; () without sessions
+    sessions: tuple[tuple[int, int], ...] = ()
 
 
 class Proc(NamedTuple):
@@ -91,6 +94,12 @@ class Proc(NamedTuple):
     chunks: tuple[tuple[int, int], ...] = ()  # chunks its readers were shown: (claim, seq)
     sent: int = 0  # an owner: chunks its producer yielded this run
     restarted: bool = False  # ghost: a reader was told StreamRestarted
+    # -- its session on the server (scopes with sessions, docs/protocol.md, "Sessions") --
+    epoch: int = 0  # its session's epoch (0: none); a retired epoch is never used again
+    est: bool = False  # the epoch's create was answered: claims may bind to it
+    sproof: int = 0  # ticks until the session may have lapsed, by its own clock (its proof)
+    sbeat: int = 0  # ticks until its session's next renewal
+    bound: bool = False  # an owner: its flight is bound to its session's epoch
     # -- an invalidate()/set() --
     inv: tuple = ()  # (id, holders, trusted, superseded values, superseded below gen)
 
@@ -107,6 +116,7 @@ class Ghost(NamedTuple):
     sets: int = 0  # set() calls so far
     claims: int = 0  # flights claimed so far (the scope bounds them)
     server_fault: bool = False  # a restart or failover happened (lease guarantees end)
+    epochs: int = 0  # session epochs made so far: an epoch's id is its number, never reused
 
 
 class Budget(NamedTuple):

@@ -118,9 +118,13 @@ def test_owner_killed_mid_flight_survivors_get_a_value_from_one_takeover(
     assert sum(rep["stats"]["takeovers"] for rep in reports if rep) == 1
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["own-lease", "session"])
 def test_paused_owner_is_fenced_and_its_callers_get_the_new_owners_value(
-    server: EmbeddedServer, namespace: str, tmp_path: Path
+    server: EmbeddedServer, namespace: str, tmp_path: Path, bound: bool
 ) -> None:
+    """With its flight's own lease, or bound to its session (docs/protocol.md, "Sessions"): the
+    paused owner's lease lapses, the other process takes the flight over, and the paused one,
+    resumed, is fenced and returns the new owner's value."""
     lease = 1.0
     cfg = base(
         server,
@@ -129,12 +133,16 @@ def test_paused_owner_is_fenced_and_its_callers_get_the_new_owners_value(
         callers=5,
         loader_s=1.5,
         lease=lease,
-        start_at=time.monotonic() + 1.5,
+        start_at=time.monotonic() + 2.5,
+        warm_s=0.6 if bound else 0,  # (a session starts after lease/3 of owning)
     )
+    admin = redis.Redis.from_url(server.url)
+    meta = KeySpace(namespace).flight("the-question").meta
     with Fleet() as fleet:
         workers = [fleet.start(f"w{i}", **cfg) for i in range(2)]
         first = wait_for(lambda: markers(tmp_path, "start"), 15, "the first loader to start")
         stale_pid = marker_pid(first[0])
+        assert (admin.hget(meta, "se") is not None) is bound
         time.sleep(0.2)
         os.kill(stale_pid, signal.SIGSTOP)
         try:
@@ -152,6 +160,7 @@ def test_paused_owner_is_fenced_and_its_callers_get_the_new_owners_value(
     assert stale["stats"]["lease_lost"] == 1
     fc_value = asyncio.run(_get(server.url, namespace, "the-question"))
     assert fc_value["pid"] == new_pid
+    admin.close()
 
 
 async def _get(url: str, namespace: str, key: str) -> Any:

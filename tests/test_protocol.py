@@ -252,7 +252,7 @@ async def test_with_short_renewals_the_stream_and_waiters_outlive_the_lease_all_
     Sampled every 10 ms (MULTI) for 3 s of a followed flight (waiters exist): the stream's
     and waiters' PTTL never fall below the lease's, and the server ran fewer PEXPIREs than
     full renewals cost (three each)."""
-    tuning = Tuning(stream_linger_ms=600)
+    tuning = Tuning(stream_linger_ms=600, session_backstop_ms=0)  # (a flight's own lease)
     owner = make_cache(lease=0.3, tuning=tuning, near_cache=False)
     follower = make_cache(lease=0.3, tuning=tuning, near_cache=False)
     fk = owner.keyspace.flight("q")

@@ -102,6 +102,12 @@ class KeySpace:
         self.invalidations = f"{namespace}:invalidate"  # the pub/sub channel
         self.wake_prefix = f"{namespace}:wake:"  # + node id: a node's wake channel
 
+    def session(self, node_id: str) -> str:
+        """A node's session on a server (docs/protocol.md, "Sessions"): its epoch, expiring with
+        its lease. Untagged: sessions exist only off a Cluster, and the scripts build this
+        name from a meta key and its ``ownerNode``."""
+        return f"{self.namespace}:session:{node_id}"
+
     def node(self, node_id: str) -> str:
         """A node's liveness lease: its info, expiring with the lease, by the server."""
         return f"{self.namespace}:node:{{{self.namespace}}}:{node_id}"

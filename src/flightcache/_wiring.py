@@ -123,6 +123,7 @@ def server_parts(shared: Shared, urls: list[str]) -> Parts:
                 shared.node_id,
                 shared.tuning,
                 seq_conn=designated,
+                session_lease_s=settings.lease,
             ),
         )
         for conn in conns

@@ -5,7 +5,9 @@ argv[1] is a JSON config: url, namespace, key, callers, loader_s, lease, timeout
 time.monotonic() instant, shared by all processes on Linux), hold (keep running after the
 report until stdin closes), clock_jump (patch time.time), gate (a file path: the loader,
 after loader_s, waits up to 60 s for it to exist), blocking (the loader sleeps loader_s
-with time.sleep, blocking the event loop, and takes no gate).
+with time.sleep, blocking the event loop, and takes no gate), warm_s (before start_at, own
+a flight of its own this long: the owner's session starts, and the claims after it bind to
+it: docs/protocol.md, "Sessions").
 The loader drops marker files ``start-<pid>``, ``end-<pid>``, ``cancelled-<pid>``.
 Prints one JSON line: per-caller results, stats, node id.
 """
@@ -62,6 +64,13 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         node_ttl=cfg.get("node_ttl", 6.0),
     )
     await fc.get("warm-up")  # connect before the burst, so it is not part of the timing
+    if cfg.get("warm_s"):
+
+        async def warm() -> int:
+            await asyncio.sleep(cfg["warm_s"])
+            return pid
+
+        await fc.do(f"session-warm-{pid}", warm, ttl=1)
     if "start_at" in cfg:
         await asyncio.sleep(max(0.0, cfg["start_at"] - time.monotonic()))
     if cfg.get("clock_jump"):

@@ -23,8 +23,11 @@ SIGNATURE_MEMO = 1_000  # loader code objects whose answer is remembered
 class Proven(Protocol):
     """An owned flight's lease in the renewer (``heartbeat.Lease``)."""
 
-    proven_until: float  # monotonic: the lease holds at least until then
     on_give_up: Callable[[], None] | None
+
+    @property
+    def proven_until(self) -> float:
+        """Monotonic: the lease holds at least until then."""
 
 
 class FlightContext:

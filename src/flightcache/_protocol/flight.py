@@ -30,6 +30,7 @@ from .heartbeat import Renewer, ThreadRenewer
 from .jobs import Job
 from .owner import Owner, Undelivered
 from .pipelined import script_calls
+from .session import Sessions
 from .state import (
     CLAIMED,
     ENDED,
@@ -63,6 +64,7 @@ class RedisFlights:
         tuning: Tuning | None = None,
         clock: Callable[[], float] = time.monotonic,
         seq_conn: RedisConnection | None = None,
+        session_lease_s: float | None = None,
     ) -> None:
         self.conn = conn
         self.seq_conn = seq_conn or conn  # where owner-seq lives (the designated server)
@@ -77,6 +79,18 @@ class RedisFlights:
         self.hub = WakeHub(conn.listener, keyspace.wake_prefix + node_id)
         self.owner = Owner(conn, envelope, stats, self.tuning, keyspace.wake_prefix, clock)
         self.follower = Follower(self)
+        # A session where claims take their token in the join and renewals run on their
+        # thread: one server, Sentinel's master, the first of a list (docs/protocol.md, "Sessions").
+        backstop_s = self.tuning.session_backstop_ms / 1000
+        if (
+            self.token_in_join
+            and session_lease_s is not None
+            and backstop_s > session_lease_s
+            and isinstance(self.owner.renewer, ThreadRenewer)
+        ):
+            self.owner.sessions = Sessions(
+                keyspace.session(node_id), session_lease_s, backstop_s, self.owner.renewer, clock
+            )
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
         # confirm_claim, sent beside loaders, by token (kept here until it is answered)
@@ -116,6 +130,16 @@ class RedisFlights:
 
         meta, lease_left, followers, result_ttl, result = await self.conn.run(pipeline, fk)
         m = {k.decode(): v.decode() for k, v in meta.items()}
+        if "se" in m:  # bound: live while its owner's session holds its epoch
+            key = self.keyspace.session(m.get("ownerNode", ""))
+
+            async def session() -> list[Any]:
+                pipe: Any = self.conn.client.pipeline(transaction=False)
+                return list(await pipe.get(key).pttl(key).execute())
+
+            epoch, lease_left = await self.conn.run(session, fk)
+            if epoch is None or epoch.decode() != m["se"]:
+                m = {}  # its session lapsed: the flight is vacant, whatever meta still says
         if result is not None:
             state = "error-cached" if self.envelope.is_error(result) else "cached"
         else:
@@ -303,8 +327,10 @@ class RedisFlights:
                 since = state.last_id  # our own claim's entry
                 if state.token:  # the join took the token itself
                     # The lease runs out no later than its time left after the join was sent
-                    # (a fresh claim: a whole lease; a claim found again: what it has left).
-                    granted = state.sent + state.lease_left_ms / 1000 - opts.lease_ms / 1000
+                    # (a fresh claim: a whole lease; a claim found again: what it has left;
+                    # bound to a session, the backstop is its own keys' lease).
+                    span = self.tuning.session_backstop_ms if state.bound else opts.lease_ms
+                    granted = state.sent + (state.lease_left_ms - span) / 1000
                     confirmed: tuple[int, float] = (state.token, granted)
                     claim = ""
                 else:  # owner-seq is in another slot: the token, then the loader at once
@@ -313,7 +339,7 @@ class RedisFlights:
                     self.stats.takeovers += 1
                 try:
                     return await self.owner.run(
-                        fk, job, opts, *confirmed, state.attempts or 1, claim
+                        fk, job, opts, *confirmed, state.attempts or 1, claim, state.bound
                     )
                 except Lost:
                     state = None
@@ -405,7 +431,9 @@ class RedisFlights:
             keys.append(self.keyspace.owner_seq)
             bits = random.getrandbits(TOKEN_RANDOM_BITS)  # uniqueness, not secrecy
         node, waiters_ttl, lease, timeout, stream_ttl, prefix, limit = self._join_args(opts)
-        return keys, (
+        sessions = self.owner.sessions
+        session = sessions.binding(opts.lease_ms) if sessions is not None and bits != "" else None
+        args: tuple[Any, ...] = (
             node,
             waiters_ttl,
             claim,
@@ -422,6 +450,10 @@ class RedisFlights:
             fk.digest,
             limit,
         )
+        if session is not None:  # a claim binds to it if it still holds when the join runs
+            keys.append(session.key)
+            args += (session.epoch, self.tuning.session_backstop_ms)
+        return keys, args
 
     def _join_args(self, opts: CallOptions) -> tuple[bytes, ...]:
         """The join's arguments that depend only on the cache and the call's lease and

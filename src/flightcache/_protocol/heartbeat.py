@@ -66,6 +66,7 @@ class Lease:
         "reason",
         "renewals",
         "since_full",
+        "window_s",
     )
 
     def __init__(
@@ -80,6 +81,9 @@ class Lease:
         self._work = work
         self.lease_s = lease_s
         self.interval_s = lease_s / 3
+        # A renewal due within this much goes with a batch sent earlier (so leases renewed
+        # together stay together); at most half the interval.
+        self.window_s = self.interval_s / 2
         self.digest = digest
         self.args = args  # what the renewer's batch function needs (keys, token, ...)
         # The lease is proven until one lease after the claim was sent (the server started
@@ -170,10 +174,10 @@ class _Book:
     def _due(self, now: float, leases: list[Lease] | None = None) -> list[Lease]:
         """Every lease (of ``leases``, a copy of the book's taken under its lock; default:
         the book's) due by ``now`` (a busy process may be late: all the late ones go in
-        this batch) and those due within half their interval."""
+        this batch) and those due within their window (half their interval, or less)."""
         due: list[Lease] = []
         for part in self._parts(list(self._leases.values()) if leases is None else leases):
-            due += [lease for lease in part if lease.next_due - now <= lease.interval_s / 2]
+            due += [lease for lease in part if lease.next_due - now <= lease.window_s]
         return due
 
     def _parts(self, seq: Sequence[T]) -> Iterator[Sequence[T]]:

@@ -37,6 +37,7 @@ from .heartbeat import Lease, Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together, script_batches
+from .session import BoundProof, Session, Sessions
 from .state import LUA, Lost
 
 T = TypeVar("T")
@@ -103,6 +104,9 @@ class Owner:
             self.renewer = Renewer(self._renew_batch, clock)
         self._completes = Together(conn, LUA["complete_flight"])
         self._claims: dict[int, str] = {}  # token -> its claim id, while it is owned here
+        # This node's session on the server, where flights bind to one (one server, the
+        # renewals on their thread: docs/protocol.md, "Sessions"); None: every lease its own.
+        self.sessions: Sessions | None = None
 
     async def aclose(self) -> None:
         await self.renewer.aclose()
@@ -119,16 +123,31 @@ class Owner:
         granted_at: float,
         attempt: int = 1,
         claim: str = "",
+        bound: bytes = b"",
     ) -> bytes:
         """Own the flight under ``token``; ``claim``: the claim id when the token was taken
-        after the join (a Cluster): the first fenced write confirms the claim with it."""
+        after the join (a Cluster): the first fenced write confirms the claim with it.
+        ``bound``: the epoch of this node's session the claim bound the flight to."""
+        session = None
+        sessions = self.sessions
+        if bound:
+            session = sessions.current if sessions is not None else None
+            if session is None or session.ended or session.epoch.encode() != bound:
+                # Bound to an epoch that ended here meanwhile: its liveness is not ours to
+                # keep. Give it back (a follower claims at once) and join again.
+                await self.give_back(fk, token)
+                raise Lost()
         self.stats.owning += 1
         self._claims[token] = claim
+        if sessions is not None:
+            sessions.owning()
         try:
-            return await self._run(fk, job, opts, token, granted_at, attempt)
+            return await self._run(fk, job, opts, token, granted_at, attempt, session)
         finally:
             self._claims.pop(token, None)
             self.stats.owning -= 1
+            if sessions is not None:
+                sessions.released()
 
     # -- writes through a failover --------------------------------------------------------
 
@@ -198,6 +217,12 @@ class Owner:
         lane = self._lane
         if lane is None:
             lane = self._lane = self.conn.sync_lane("renew")
+        sessions = [lease for lease in leases if isinstance(lease.args, Session)]
+        if sessions:  # (a session first: its flights' renewals are fenced by it)
+            flights = [lease for lease in leases if not isinstance(lease.args, Session)]
+            held = {id(s): self._renew_session(lane, s.args, patience) for s in sessions}
+            ok = iter(self._renew_on_thread(flights, patience) if flights else ())
+            return [held[id(lease)] if id(lease) in held else next(ok) for lease in leases]
         answers: list[bool] = []
         for _, call in self._renew_calls(leases, False):
             (reply,) = lane.calls(LUA["renew_leases"], (call,), patience)
@@ -205,6 +230,21 @@ class Owner:
                 raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
             answers += map(bool, reply)  # (one server: the batches are the leases' slices)
         return answers
+
+    @staticmethod
+    def _renew_session(
+        lane: SyncLane, session: Session, patience: Callable[[], float | None]
+    ) -> bool:
+        """Start ``session`` (until its start was answered) or renew it: one command."""
+        start = "0" if session.ready else "1"
+        call = ((session.key,), (session.epoch, int(session.lease_s * 1000), start))
+        (reply,) = lane.calls(LUA["renew_session"], (call,), patience)
+        if isinstance(reply, Exception):
+            raise FlightError(f"Redis at {lane.safe_url} refused a session renewal: {reply}")
+        if int(reply) == 1:
+            session.ready = True
+            return True
+        return False
 
     async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
         """Pipelines renewing every lease given, on the reserved lane, one after another,
@@ -239,6 +279,7 @@ class Owner:
         token: int,
         granted_at: float,
         attempt: int,
+        session: Session | None = None,
     ) -> bytes:
         self.stats.loader_runs += 1
         ran_from = self.clock()
@@ -268,20 +309,43 @@ class Owner:
         # (it starts running only after the lease is tracked: the next turn of the loop).
         context = FlightContext(job.key, fk.digest, token, attempt, clock=self.clock)
         work = asyncio.ensure_future(job.run(append, context))
-        heartbeat = self.renewer.add(
-            work,
-            lease_s=opts.lease_ms / 1000,
-            digest=fk.digest,
-            granted_at=granted_at,
-            args=(fk, token, opts.lease_ms, stream_ttl, claim),
-            tied=False,  # every way out of the wait below removes it
-            full_every=short_renewals(opts.lease_ms, stream_ttl),
-        )
-        context.track(heartbeat)
+        if session is None:
+            heartbeat = self.renewer.add(
+                work,
+                lease_s=opts.lease_ms / 1000,
+                digest=fk.digest,
+                granted_at=granted_at,
+                args=(fk, token, opts.lease_ms, stream_ttl, claim),
+                tied=False,  # every way out of the wait below removes it
+                full_every=short_renewals(opts.lease_ms, stream_ttl),
+            )
+            context.track(heartbeat)
+        else:  # its liveness is the session's; its own keys live for the backstop
+            assert self.sessions is not None
+            backstop_ms = int(self.sessions.backstop_s * 1000)
+            heartbeat = self.renewer.add(
+                work,
+                lease_s=self.sessions.backstop_s,
+                digest=fk.digest,
+                granted_at=granted_at,
+                args=(fk, token, backstop_ms, backstop_ms, claim),
+                tied=False,
+            )
+            # Renewed when due, give or take half a session tick: not brought forward by
+            # half of its own long interval to go with the session's ticks.
+            heartbeat.window_s = min(heartbeat.window_s, session.lease_s / 6)
+            self.sessions.bind(session, heartbeat)
+            context.track(BoundProof(heartbeat, session))
+
+        def drop() -> None:
+            self.renewer.remove(heartbeat)
+            if session is not None:
+                session.flights.discard(heartbeat)
+
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
         except WorkCancelled:
-            self.renewer.remove(heartbeat)
+            drop()
             if heartbeat.lost:
                 self.stats.lease_lost += 1
                 raise Lost() from None
@@ -289,37 +353,37 @@ class Owner:
             await self._publish_error(fk, token, error, ttl_ms=0)
             raise error from None
         except asyncio.CancelledError:
-            self.renewer.remove(heartbeat)
+            drop()
             await self.give_back(fk, token)  # we are being closed: let a follower claim now
             raise
         except Lost:
-            self.renewer.remove(heartbeat)  # a fenced append: another owner holds the flight
+            drop()  # a fenced append: another owner holds the flight
             raise
         except _ServerFailed as failed:
             # The server, not the producer, failed: nothing is published as an error, and
             # the flight is given back (if the server takes even that) for another try.
-            self.renewer.remove(heartbeat)
+            drop()
             await self.give_back(fk, token)
             raise failed.cause from None
         except FlightTimeout as exc:
-            self.renewer.remove(heartbeat)
+            drop()
             self.stats.timeouts += 1
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except (ValueTooLarge, SerializationError) as exc:
-            self.renewer.remove(heartbeat)
+            drop()
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except Exception as exc:
-            self.renewer.remove(heartbeat)
+            drop()
             self.stats.loader_errors += 1
             ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
             await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
             raise
         except BaseException:
-            self.renewer.remove(heartbeat)
+            drop()
             raise
-        self.renewer.remove(heartbeat)
+        drop()
         if heartbeat.lost:  # the loader finished as the lease was found lost
             self.stats.lease_lost += 1
             raise Lost()

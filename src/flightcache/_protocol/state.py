@@ -14,6 +14,7 @@ LUA = scripts(
     "join_flight",
     "confirm_claim",
     "renew_leases",
+    "renew_session",
     "append_chunks",
     "complete_flight",
     "fail_flight",
@@ -38,6 +39,7 @@ class State:
     ended: bytes = b""  # ENDED: b"done" or b"error"
     count: int | None = None  # ENDED: a stream's chunk count
     sent: float = 0.0  # when the join that answered this was sent (local monotonic clock)
+    bound: bytes = b""  # CLAIMED: the epoch of the claimer's session the flight is bound to
     ttl_left_ms: int = 0  # HIT: the result's time left
     leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
     cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
@@ -57,6 +59,7 @@ def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
             sent=sent,
             lease_left_ms=max(int(reply[4]), 0),
             attempts=int(reply[1]),
+            bound=reply[5] if len(reply) > 5 and reply[5] else b"",
         )
     if kind == HIT:
         return State(

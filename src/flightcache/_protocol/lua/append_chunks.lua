@@ -7,6 +7,7 @@
 -- Returns 1 appended, 0 fenced: the token is not the current owner's, nothing was written
 -- include: _wake.lua
 -- include: _chunks.lua
+-- include: _live.lua
 -- include: _fence.lua
 if not owns(KEYS[1], ARGV[1], ARGV[6]) then
   return 0

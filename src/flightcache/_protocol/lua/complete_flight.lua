@@ -20,6 +20,7 @@
 -- the token is not the current owner's, nothing was written
 -- include: _wake.lua
 -- include: _chunks.lua
+-- include: _live.lua
 -- include: _fence.lua
 if not owns(KEYS[2], ARGV[1], ARGV[11] or '') then
   return 0

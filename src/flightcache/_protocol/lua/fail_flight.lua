@@ -7,6 +7,7 @@
 -- ARGV[9] claim id ('' where the join took the token itself)
 -- Returns 1 published, 0 fenced: the token is not the current owner's, nothing was written
 -- include: _wake.lua
+-- include: _live.lua
 -- include: _fence.lua
 if not owns(KEYS[2], ARGV[1], ARGV[9] or '') then
   return 0

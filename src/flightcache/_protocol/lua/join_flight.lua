@@ -3,6 +3,8 @@
 -- on this server (KEYS[7] given), else pending confirm_claim.
 -- KEYS[1] result   KEYS[2] meta   KEYS[3] waiters   KEYS[4] stream   KEYS[5] invalidation
 -- marker   KEYS[6] cost   KEYS[7] owner-seq (only where it lives on this server)
+-- KEYS[8] with KEYS[7], the caller's session key, when it has a session here
+-- (docs/protocol.md, "Sessions"): a claim binds to it if it holds ARGV[16]
 -- ARGV[1] node id of the caller   ARGV[2] waiters TTL ms
 -- ARGV[3] claim mode: 'always' claim a vacant flight; 'first' only if the caller is first in
 --         the waiters queue (after an owner's death, so the first-joined goes first);
@@ -17,20 +19,25 @@
 --         most this many ms left ('0': always); one with more was refreshed already
 -- ARGV[12] with KEYS[7]: 20 random bits, the token's low bits
 -- ARGV[13] wake channel prefix   ARGV[14] digest   ARGV[15] wake message limit (bytes)
+-- ARGV[16] with KEYS[8]: the session's epoch   ARGV[17] with KEYS[8]: the backstop ms, a
+--         bound flight's own TTL (its meta, stream and waiters; its liveness is the session)
 -- Returns {1, value, ttl_left_ms, marked, cost_ms}
 --                                           hit: the stored value (or error record), its
 --                                           PTTL, 1 while an invalidation marks it (serve,
 --                                           do not lease), the loader's cost (0: unknown)
 --         {2, token, lease_left_ms, rank, from_id, newest_id}
---                                           follow: a flight is live; token is '0' while its
+--                                           follow: a flight is live (lease_left_ms: its
+--                                           owner's session's, for a bound flight); token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
 --                                           waiters at 0-based position `rank`; `from_id` is
 --                                           this flight's `claimed` event: every chunk and
 --                                           the end of the flight come after it; `newest_id`
 --                                           the stream's newest entry (`from_id` itself when
 --                                           nothing came after it: no chunk to read back)
---         {3, attempts, entry, token, lease_left_ms}
---                                           claimed: with KEYS[7], meta is RUNNING under the
+--         {3, attempts, entry, token, lease_left_ms, epoch}
+--                                           claimed: (lease_left_ms: meta's own TTL; epoch:
+--                                           the caller's session's, when meta is bound to
+--                                           it, its TTL then the backstop; else '') with KEYS[7], meta is RUNNING under the
 --                                           new token; without, token is '' and meta is
 --                                           CLAIMING under the claim id. A `claimed` event is
 --                                           on the stream (entries older than the linger are
@@ -42,6 +49,7 @@
 --                                           (v, n: its fields, or ''; claim: the last
 --                                           `claimed` entry before it, '' if none)
 -- include: _wake.lua
+-- include: _live.lua
 if ARGV[9] ~= '1' or (tonumber(ARGV[11]) or 0) > 0 then
   local value = redis.call('GET', KEYS[1])
   if value then
@@ -75,12 +83,19 @@ if ARGV[10] ~= '' then
   end
 end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local alive, left, dead = live(KEYS[2])
+if dead then
+  -- Bound to a session that lapsed: the flight is vacant, as if meta had expired; none of
+  -- its fields (its token, an invalidation's mark) may carry over to the next claim.
+  redis.call('DEL', KEYS[2])
+end
+if alive then
   local token = redis.call('HGET', KEYS[2], 'ownerToken') or '0'
   if redis.call('HGET', KEYS[2], 'claimId') == ARGV[4] then
     -- this very call, sent again after a lost reply (a driver retry): it is the claimer
-    local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry', 'ownerToken')
-    return {3, tonumber(claim[1]), claim[2], claim[3] or '', redis.call('PTTL', KEYS[2])}
+    local claim = redis.call('HMGET', KEYS[2], 'attempts', 'claimEntry', 'ownerToken', 'se')
+    return {3, tonumber(claim[1]), claim[2], claim[3] or '', redis.call('PTTL', KEYS[2]),
+      claim[4] or ''}
   end
   if ARGV[3] == 'mine' then
     return {0, -1}
@@ -88,10 +103,12 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
   end
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[3], ARGV[2])  -- (never shorter: a bound flight's is longer)
+  end
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
   local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-  return {2, token, redis.call('PTTL', KEYS[2]), rank, from, newest[1] and newest[1][1] or from}
+  return {2, token, left, rank, from, newest[1] and newest[1][1] or from}
 end
 if ARGV[3] == 'mine' or (ARGV[3] == 'first' and rank ~= 0) then
   return {0, rank or -1}
@@ -145,6 +162,14 @@ redis.call('HSET', KEYS[2], 'status', status, 'claimId', ARGV[4], 'ownerNode', A
 if token ~= '' then
   redis.call('HSET', KEYS[2], 'ownerToken', token)
 end
+local ttl = ARGV[5]
+local bound = 0
+if KEYS[8] and redis.call('GET', KEYS[8]) == ARGV[16] then
+  -- Bound to the claimer's session: live while it holds this epoch; meta, the stream and
+  -- waiters live for the backstop, renewed by the owner every third of it.
+  redis.call('HSET', KEYS[2], 'se', ARGV[16])
+  ttl, bound = ARGV[17], 1
+end
 local fields = {'t', 'claimed', 'n', ARGV[1], 'a', attempts, 'c', ARGV[4]}
 local entry = redis.call('XADD', KEYS[4], '*', unpack(fields))
 wake_add(w, entry, fields)
@@ -152,8 +177,11 @@ wake_add(w, entry, fields)
 -- slow followers for the linger, as it would have without this claim.
 local linger = tonumber(ARGV[8]) - tonumber(ARGV[5])
 redis.call('XTRIM', KEYS[4], 'MINID', math.max(started - linger, 0))
-redis.call('PEXPIRE', KEYS[4], ARGV[8])
+redis.call('PEXPIRE', KEYS[4], bound == 1 and ARGV[17] or ARGV[8])
+if bound == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('PEXPIRE', KEYS[3], ARGV[17])  -- (nodes queued by joins before this claim)
+end
 redis.call('HSET', KEYS[2], 'claimEntry', entry)
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ttl)
 wake_send(w, ARGV[13], ARGV[14], ARGV[15])
-return {3, attempts, entry, token, tonumber(ARGV[5])}
+return {3, attempts, entry, token, tonumber(ttl), bound == 1 and ARGV[16] or ''}

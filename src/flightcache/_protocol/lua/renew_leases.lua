@@ -6,6 +6,7 @@
 -- outlive the lease, docs/protocol.md "Batched renewals")
 -- ARGV[4i] claim id ('' where the join took the token itself)
 -- Returns one number per flight: 1 renewed, 0 the token is no longer the owner's
+-- include: _live.lua
 -- include: _fence.lua
 local out = {}
 for i = 1, #KEYS / 3 do
