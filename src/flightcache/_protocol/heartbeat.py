@@ -45,6 +45,9 @@ STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renew
 # batch (ten thousand leases are milliseconds of Python; the interpreter alone would switch
 # only after its 5 ms interval, a stall every wake-up arriving then waits out).
 BREATHE_EVERY = 1000
+# The thread renews a long batch in slices of this many leases, each proven from its own
+# send, and renews a lease kept alone (a session) between two slices when it fell due.
+SLICE = 1000
 
 
 class Lease:
@@ -52,6 +55,7 @@ class Lease:
 
     __slots__ = (
         "_work",
+        "alone",
         "args",
         "digest",
         "full",
@@ -92,6 +96,7 @@ class Lease:
         self.next_due = granted_at + self.interval_s
         self.lost = False
         self.reason = ""
+        self.alone = False  # renewed in a batch of its own, first (a session)
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
         self.packed: Any = None  # the batch function's, made once (its keys and args in RESP)
@@ -144,13 +149,18 @@ class _Book:
         args: Any = None,
         tied: bool = True,
         full_every: int = 0,
+        alone: bool = False,
     ) -> Lease:
         """Renew a lease of ``lease_s`` (granted at ``granted_at``) while ``work`` runs, and
         cancel ``work`` when it is lost; ``args``: what the batch function needs. With
         ``tied``, the lease is removed when ``work`` ends; without, the caller removes it.
-        ``full_every``: short renewals allowed between full ones (``Lease.take_full``)."""
+        ``full_every``: short renewals allowed between full ones (``Lease.take_full``).
+        ``alone``: renewed in a batch of its own, ahead of the others and between their
+        slices (a session, which keeps many flights: a long batch of flights must not make
+        it wait, nor its proof wait for theirs)."""
         granted_at = self._clock() if granted_at is None else granted_at
         lease = Lease(work, lease_s, digest, granted_at, args, full_every)
+        lease.alone = alone
         if tied:
             work.add_done_callback(lambda _f: self.remove(lease))
         self._register(lease)
@@ -400,8 +410,19 @@ class ThreadRenewer(_Book):
                         break
             # A lease removed meanwhile may still be renewed once: harmless (remove()).
             batch = self._hold_if_stalled(self._due(max(now, due), leases))
-            if batch:
-                self._renew_batch(batch)
+            kept = [lease for lease in leases if lease.alone]  # (a session or two)
+            if kept:
+                self._renew_batch([lease for lease in batch if lease.alone])
+                batch = [lease for lease in batch if not lease.alone]
+            for start in range(0, len(batch), SLICE):
+                if start and kept:  # one kept alone that fell due meanwhile goes first
+                    now = self._clock()
+                    self._renew_batch(
+                        self._hold_if_stalled(
+                            [x for x in kept if x.next_due <= now and id(x) in self._leases]
+                        )
+                    )
+                self._renew_batch(batch[start : start + SLICE])
 
     def _hold_if_stalled(self, batch: list[Lease]) -> list[Lease]:
         """The leases of ``batch`` to renew: none whose loader's loop has not run for
@@ -418,6 +439,8 @@ class ThreadRenewer(_Book):
         return [lease for lease in batch if stalled <= lease.lease_s * STALL_FRACTION]
 
     def _renew_batch(self, batch: list[Lease]) -> None:
+        if not batch:
+            return
         self.batches += 1
         sent = self._clock()
         waiting = sorted(batch, key=_PROVEN_UNTIL)

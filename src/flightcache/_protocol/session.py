@@ -134,6 +134,7 @@ class Sessions:
             digest=f"session {session.epoch}",
             granted_at=self._clock() - self.lease_s / 3,
             args=session,
+            alone=True,
         )
         lease.on_give_up = lambda: self.end(session, lease.reason or "lost")
         session.lease = lease
