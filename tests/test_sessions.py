@@ -180,11 +180,12 @@ async def test_a_stale_owners_write_is_refused_once_its_session_lapsed(
 async def test_an_owner_of_many_bound_flights_renews_their_liveness_in_one_command(
     make_cache: Any, redis_client: aioredis.Redis
 ) -> None:
-    """300 bound flights, lease 0.3 s, backstop 3 s: over 2 s the server runs one
-    renew_session per tick, and the flights' own renewals come a few times each, not every
-    lease/3 (which would be 20 each)."""
-    tuning = Tuning(session_backstop_ms=3000)
-    fc = make_cache(lease=0.3, near_cache=False, tuning=tuning)
+    """300 bound flights, lease 1 s, backstop 9 s: over 3 s the server runs one
+    renew_session per tick, and the flights' own renewals come once or twice each, not every
+    lease/3 (which would be 9 each). (A shorter lease is given up by a loaded CI machine
+    whose loop the burst of 300 calls holds for more than 2/3 of it.)"""
+    tuning = Tuning(session_backstop_ms=9000)
+    fc = make_cache(lease=1.0, near_cache=False, tuning=tuning)
     call, held = await _claimed_bound(fc, "first", "v")
     loaders = [Held(f"v{i}") for i in range(300)]
     calls = [asyncio.ensure_future(fc.do(f"k{i}", h)) for i, h in enumerate(loaders)]
@@ -203,17 +204,17 @@ async def test_an_owner_of_many_bound_flights_renews_their_liveness_in_one_comma
     session = _sessions(fc).current.lease
     renewals, ticks = sum(lease.renewals for lease in own), session.renewals
     before = await sha_calls()
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(3.0)
     ran = {k: v - before.get(k, 0) for k, v in (await sha_calls()).items()}
     renewals = sum(lease.renewals for lease in own) - renewals
     ticks = session.renewals - ticks
-    # The session every lease/3 (about 20 times in 2 s); each flight's own keys every third
-    # of the backstop (1 s): at most about 2 each in 2 s, 4 allowed, where a lease of its
-    # own would have been renewed 20 times. The server's PEXPIREs are those and nothing
+    # The session every lease/3 (about 9 times in 3 s); each flight's own keys every third
+    # of the backstop (3 s): at most 2 each in 3 s, where a lease of its own would have been
+    # renewed 9 times. The server's PEXPIREs are those and nothing
     # else: three a flight renewal, one a session renewal, and at most one more renewal
     # of each flight run in the window but settled after it (a batch at its end).
-    assert 10 <= ticks <= 30, ticks
-    assert renewals <= 301 * 4, renewals
+    assert 4 <= ticks <= 15, ticks
+    assert renewals <= 301 * 2, renewals
     assert ran.get("cmdstat_pexpire", 0) <= (renewals + 301) * 3 + ticks + 1, ran
     for h in (held, *loaders):
         h.release.set()
