@@ -334,7 +334,7 @@ class Owner:
             # Renewed when due, give or take half a session tick: not brought forward by
             # half of its own long interval to go with the session's ticks.
             heartbeat.window_s = min(heartbeat.window_s, session.lease_s / 6)
-            self.sessions.bind(session, heartbeat)
+            session.flights.add(heartbeat)  # (given up with it: Sessions.end)
             context.track(BoundProof(heartbeat, session))
 
         def drop() -> None:

@@ -76,7 +76,6 @@ class Sessions:
         self._idle: asyncio.TimerHandle | None = None
         self._starting: asyncio.TimerHandle | None = None
         self.owned = 0  # flights owned here now
-        self.started = 0  # epochs started so far (a test's and stats' view)
 
     def binding(self, lease_ms: int) -> Session | None:
         """The session a claim sent now (with this lease) may bind to, if any."""
@@ -139,13 +138,6 @@ class Sessions:
         lease.on_give_up = lambda: self.end(session, lease.reason or "lost")
         session.lease = lease
         self.current = session
-        self.started += 1
-
-    def bind(self, session: Session, lease: Lease) -> None:
-        session.flights.add(lease)
-
-    def unbind(self, session: Session, lease: Lease) -> None:
-        session.flights.discard(lease)
 
     def end(self, session: Session, reason: str) -> None:
         """The epoch ends for good: its flights are given up (their loaders cancelled) and
