@@ -67,7 +67,7 @@ def print_scale(k: dict[str, Any]) -> None:
     print(
         f"     follower's commands per flight: {f['stats']['commands'] / m['keys']:.2f} "
         f"(fc.stats); lease re-checks: {rc['peeks']} flights peeked in {rc['calls']} script "
-        f"calls, {rc['woken']} followers woken by them"
+        f"calls, {rc.get('sessions', 0)} sessions peeked, {rc['woken']} followers woken by them"
     )
     print("     wake lag (ms)                                      n     p50     p99     max")
     print(_row(f"{m['keys']} keys: follower's return - loader end", m["wake_lag_ms"]))

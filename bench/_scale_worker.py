@@ -229,12 +229,17 @@ class Batch:
 
 def _rechecks(fc: FlightCache) -> dict[str, int]:
     """The follower's lease re-checks so far (``_protocol/rechecks.py``): flights peeked,
-    the script calls that carried them, followers woken to join again."""
+    the script calls that carried them, sessions peeked, followers woken to join again."""
     parts: Any = fc._parts
     if parts is None or not parts.redis_flights:
-        return {"peeks": 0, "calls": 0, "woken": 0}
+        return {"peeks": 0, "calls": 0, "sessions": 0, "woken": 0}
     rechecks = parts.redis_flights[0].follower.rechecks
-    return {"peeks": rechecks.peeks, "calls": rechecks.peek_calls, "woken": rechecks.woken}
+    return {
+        "peeks": rechecks.peeks,
+        "calls": rechecks.peek_calls,
+        "sessions": rechecks.session_peeks,
+        "woken": rechecks.woken,
+    }
 
 
 _batch: list[Batch] = []  # the last own/follow of this process, if any

@@ -1,7 +1,8 @@
 """One process of a many-keys test: owns or follows ``keys`` distinct flights at once.
 
 argv[1] is a JSON config: url, namespace, keys (how many), role ("owner" or "follower"),
-loader_s, lease, markers (a directory), max_connections. The owner drops ``owning`` in
+loader_s, lease, markers (a directory), max_connections, warm_s (an owner first owns one
+flight that long, so that its session is usable before the burst). The owner drops ``owning`` in
 markers once every one of its loaders runs; the follower starts when that file exists and
 its loader must never run. Prints one JSON line: right values, errors, loader runs, stats.
 """
@@ -36,6 +37,13 @@ async def main(cfg: dict[str, Any]) -> dict[str, Any]:
         max_connections=cfg.get("max_connections", 64),
     )
     await fc.get("warm-up")
+    if owner and cfg.get("warm_s"):
+
+        async def warm() -> str:
+            await asyncio.sleep(cfg["warm_s"])
+            return "warm"
+
+        await fc.do("session-warm", warm, ttl=1)
     if not owner:
         while not (marks / "owning").exists():  # noqa: ASYNC110 (waiting for another process)
             await asyncio.sleep(0.02)

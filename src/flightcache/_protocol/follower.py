@@ -35,7 +35,8 @@ class Follower:
     def __init__(self, flights: RedisFlights) -> None:
         self.flights = flights
         margin_s = flights.tuning.block_margin_ms / 1000
-        self.rechecks = Rechecks(flights.conn, margin_s, flights.clock)
+        self.rechecks = Rechecks(flights.conn, margin_s, flights.clock, flights.keyspace.session)
+        flights.hub.gap_hooks.append(self.rechecks.gap)
 
     async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
         """The flight's stream after ``cursor``: what a follower missed (one short command
@@ -105,7 +106,7 @@ class Follower:
         rechecks = self.rechecks
         # (the claim followed: its `claimed` entry, the join's `from_id`, then the last one)
         entry = rechecks.add(
-            fk, state.last_id, waiter, state.lease_left_ms, opts.lease_ms, deadline
+            fk, state.last_id, waiter, state.lease_left_ms, opts.lease_ms, deadline, state
         )
         try:
             while True:
@@ -125,7 +126,7 @@ class Follower:
                         if kind == b"claimed":  # past our position: the owner we followed died
                             log.info("flight %s: claimed by %s", fk.digest, fields.get(b"n"))
                             job.on_claimed(entry_id)
-                            entry.claim = entry_id
+                            rechecks.claimed(entry, entry_id)
                             continue
                         if kind == b"chunk":
                             job.on_chunk(int(fields[b"s"]), fields[b"v"])
@@ -146,10 +147,9 @@ class Follower:
                 if now.kind != FOLLOW:
                     return replace(now, since=last_id)
                 job.on_follow(now.last_id)
-                entry.claim = now.last_id
                 if entry_key(now.last_id) > entry_key(last_id):
                     last_id = now.last_id  # a later claim: its events start there
-                rechecks.later(entry, now.lease_left_ms)
+                rechecks.rejoined(entry, now)
         finally:
             rechecks.drop(entry)
 

@@ -17,6 +17,12 @@ lease: no timer, task, future, command or wake-up of a coroutine per flight and 
 (Each of those, ten thousand at once since one owner renews its leases in one batch, kept
 every wake message behind them waiting for hundreds of milliseconds.) docs/protocol.md
 ("Why no wake-up is lost", point 4).
+
+A flight bound to its owner's session (docs/protocol.md, "Sessions") lives while that
+session holds its epoch, so its followers watch the session instead (a :class:`Watch`): one
+``peek_sessions`` a session and lease, however many of its flights are followed, and a peek
+of each flight only when meta's own TTL (the backstop) ran out; after a gap of the wake
+channel, a join of each. docs/protocol.md ("Followers watch sessions").
 """
 
 from __future__ import annotations
@@ -25,15 +31,16 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._backends.redis import RedisConnection
 from .._keys import FlightKeys
 from .pipelined import script_batches, script_calls
-from .state import LUA
+from .state import LUA, State
 from .wakeup import Waiter
 
 log = logging.getLogger("flightcache.follow")
@@ -54,10 +61,28 @@ class Recheck:
     waiter: Waiter
     lease_ms: int  # the call's lease: the spread of its re-checks
     deadline: float  # the call's wait bound: its follower is woken then
-    due: float = 0.0  # the next re-check
+    due: float = 0.0  # the next re-check (of a bound flight: once meta's own TTL ran out)
     queued: int = -1  # the number of its heap item, if it has one (else -1)
     at: float = 0.0  # when that heap item comes up
     peeking: bool = False  # its peek is out: the answer queues it again
+    gone: bool = False
+    watch: Watch | None = None  # the session the flight is bound to, watched
+
+
+@dataclass(slots=True, eq=False)
+class Watch:
+    """A session that followed flights are bound to: their liveness, re-checked once a
+    lease for all of them (``peek_sessions``)."""
+
+    key: str  # the owner node's session key
+    epoch: bytes
+    lease_ms: int  # the spread of its re-checks
+    flights: set[Recheck] = field(default_factory=set)
+    deadline: float = math.inf
+    due: float = 0.0  # once the session's TTL last heard ran out
+    queued: int = -1
+    at: float = 0.0
+    peeking: bool = False
     gone: bool = False
 
 
@@ -69,11 +94,20 @@ class Rechecks:
     PEEK_CALL = 200  # flights a script call on one server
     COMPACT_AT = 64  # stale heap items kept at least, before they are left out at once
 
-    def __init__(self, conn: RedisConnection, margin_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        conn: RedisConnection,
+        margin_s: float,
+        clock: Callable[[], float],
+        session_key: Callable[[str], str],
+    ) -> None:
         self._conn = conn
         self._margin_s = margin_s
         self._clock = clock
-        self._heap: list[tuple[float, int, Recheck]] = []
+        self._session_key = session_key  # a node id's session key on this server
+        self._heap: list[tuple[float, int, Recheck | Watch]] = []
+        self._watches: dict[tuple[str, bytes], Watch] = {}
+        self._gaps = 0  # the wake channel's gaps so far: a peek answered across one is old
         self._stale = 0  # heap items whose flight ended or whose re-check moved earlier
         self._numbers = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -82,6 +116,7 @@ class Rechecks:
         self.peeks = 0  # flights peeked, for tests and the bench
         self.peek_calls = 0  # script calls that carried them
         self.woken = 0  # followers woken to join again
+        self.session_peeks = 0  # sessions peeked
 
     def __len__(self) -> int:
         """Heap items: one a followed flight, and the stale ones of flights that ended (or
@@ -96,29 +131,106 @@ class Rechecks:
         lease_left_ms: int,
         lease_ms: int,
         deadline: float,
+        state: State | None = None,
     ) -> Recheck:
-        """Re-check ``claim`` once the ``lease_left_ms`` a join was told of ran out."""
+        """Re-check ``claim`` once the ``lease_left_ms`` a join was told of ran out; a
+        flight that join found bound to its owner's session (``state``), once meta's own
+        TTL ran out, its session watched meanwhile."""
         entry = Recheck(fk, claim, waiter, lease_ms, deadline)
-        entry.due = self._after(lease_left_ms, lease_ms)
+        if state is not None and state.bound:
+            entry.due = self._after(state.own_left_ms, lease_ms)
+            self._bind(entry, state.owner_node, state.bound, lease_left_ms)
+        else:
+            entry.due = self._after(lease_left_ms, lease_ms)
         self._push(entry, min(entry.due, deadline))
         return entry
 
     def later(self, entry: Recheck, lease_left_ms: int) -> None:
-        """The owner was heard from (or a join found the flight anew): the next re-check
-        comes once ``lease_left_ms`` from now ran out. An earlier heap item is moved when it
-        comes up; a peek out now keeps the later of its answer and this."""
-        entry.due = self._after(lease_left_ms, entry.lease_ms)
-        at = min(entry.due, entry.deadline)
-        if not entry.peeking and (entry.queued == -1 or at < entry.at):
-            self._push(entry, at)
+        """The owner was heard from: the next re-check comes once ``lease_left_ms`` from now
+        ran out (for an unbound flight; a bound one's liveness is its session's, watched).
+        An earlier heap item is moved when it comes up; a peek out now keeps the later of
+        its answer and this."""
+        if entry.watch is None:
+            self._reschedule(entry, self._after(lease_left_ms, entry.lease_ms))
+
+    def rejoined(self, entry: Recheck, state: State) -> None:
+        """A join found the flight running (again, or under another claim): follow the claim
+        it told of, bound or not, as ``add`` does."""
+        entry.claim = state.last_id
+        if state.bound:
+            self._bind(entry, state.owner_node, state.bound, state.lease_left_ms)
+            self._reschedule(entry, self._after(state.own_left_ms, entry.lease_ms))
+        else:
+            self._unbind(entry)
+            self._reschedule(entry, self._after(state.lease_left_ms, entry.lease_ms))
+
+    def claimed(self, entry: Recheck, claim: bytes) -> None:
+        """A takeover's ``claimed`` event was heard: its binding is not known until the next
+        peek tells it, so the flight is re-checked on its own lease until then."""
+        entry.claim = claim
+        self._unbind(entry)
 
     def drop(self, entry: Recheck) -> None:
         """The follower is done: its heap item is skipped when it comes up (or left out
         when the stale items are more than the live ones: a flight that ends at once must
         not be kept for a lease, with its waiter, by a busy process)."""
         entry.gone = True
+        self._unbind(entry)
         if entry.queued != -1:
             entry.queued = -1
+            self._stale_one()
+
+    def gap(self) -> None:
+        """The wake channel had a gap (its connection dropped, or it subscribed anew): the
+        follower of every bound flight joins again. A message lost in the gap is found by
+        its read of the stream; a flight that vanished without one (a failover to a replica
+        that lacks it), or a waiters list that lost this node (a failover that lost its
+        join: the end would not be published to it), only by a join, which finds the flight
+        gone or puts the node back in the list; its session's liveness says nothing of
+        either. A peek answered across the gap counts for nothing."""
+        self._gaps += 1
+        for watch in list(self._watches.values()):
+            for entry in list(watch.flights):
+                self._unbind(entry)
+                self._wake(entry)
+
+    def _reschedule(self, entry: Recheck, due: float) -> None:
+        entry.due = due
+        at = min(due, entry.deadline)
+        if not entry.peeking and (entry.queued == -1 or at < entry.at):
+            self._push(entry, at)
+
+    def _bind(self, entry: Recheck, node: bytes, epoch: bytes, session_left_ms: int) -> None:
+        """``entry``'s flight is bound to ``node``'s session ``epoch``: watch it (a session
+        watched already keeps its own re-check: what it heard last is the earlier bound)."""
+        key = self._session_key(node.decode())
+        watch = entry.watch
+        if watch is not None and watch.key == key and watch.epoch == epoch:
+            return
+        self._unbind(entry)
+        watch = self._watches.get((key, epoch))
+        if watch is None:
+            watch = self._watches[(key, epoch)] = Watch(key, epoch, entry.lease_ms)
+            watch.due = self._after(session_left_ms, watch.lease_ms)
+            self._push(watch, watch.due)
+        watch.flights.add(entry)
+        entry.watch = watch
+
+    def _unbind(self, entry: Recheck) -> None:
+        watch = entry.watch
+        if watch is None:
+            return
+        entry.watch = None
+        watch.flights.discard(entry)
+        if not watch.flights:  # no flight followed is bound to it: no more re-checks
+            self._retire(watch)
+
+    def _retire(self, watch: Watch) -> None:
+        watch.gone = True
+        if self._watches.get((watch.key, watch.epoch)) is watch:
+            del self._watches[(watch.key, watch.epoch)]
+        if watch.queued != -1:
+            watch.queued = -1
             self._stale_one()
 
     def _stale_one(self) -> None:
@@ -132,7 +244,7 @@ class Rechecks:
         spread_s = min(lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
         return self._clock() + lease_left_ms / 1000 + self._margin_s + random.random() * spread_s
 
-    def _push(self, entry: Recheck, at: float) -> None:
+    def _push(self, entry: Recheck | Watch, at: float) -> None:
         if entry.queued != -1:  # moved earlier: its item now is stale
             entry.queued = -1
             self._stale_one()
@@ -162,24 +274,26 @@ class Rechecks:
             self._sender = asyncio.get_running_loop().create_task(self._send_due())
 
     async def _send_due(self) -> None:
-        """The peeks of every flight due, ``PEEK_WRITE`` a write, one write out at a time."""
+        """The peeks of every flight and session due, ``PEEK_WRITE`` a write, one write out
+        at a time."""
         try:
             while True:
-                due = self._take_due()
-                if not due:
+                flights, watches = self._take_due()
+                if not flights and not watches:
                     return
-                await self._peek(due)
+                await self._peek(flights, watches)
         finally:
             self._sender = None
             self._arm()
 
-    def _take_due(self) -> list[Recheck]:
-        """Up to ``PEEK_WRITE`` flights whose re-check is due now; those whose wait bound ran
-        out are woken instead (their followers raise)."""
+    def _take_due(self) -> tuple[list[Recheck], list[Watch]]:
+        """Up to ``PEEK_WRITE`` flights and sessions whose re-check is due now; flights whose
+        wait bound ran out are woken instead (their followers raise)."""
         now = self._clock()
         heap = self._heap
-        due: list[Recheck] = []
-        while heap and heap[0][0] <= now and len(due) < self.PEEK_WRITE:
+        flights: list[Recheck] = []
+        watches: list[Watch] = []
+        while heap and heap[0][0] <= now and len(flights) + len(watches) < self.PEEK_WRITE:
             _, number, entry = heapq.heappop(heap)
             if entry.queued != number:  # the flight ended, or its item was moved earlier
                 self._stale -= 1
@@ -188,40 +302,90 @@ class Rechecks:
             at = min(entry.due, entry.deadline)
             if at > now:  # heard from meanwhile: its re-check moved later
                 self._push(entry, at)
+            elif isinstance(entry, Watch):
+                entry.peeking = True
+                watches.append(entry)
             elif now >= entry.deadline:
                 self._wake(entry)
             else:
                 entry.peeking = True
-                due.append(entry)
-        return due
+                flights.append(entry)
+        return flights, watches
 
-    async def _peek(self, due: list[Recheck]) -> None:
-        replies: list[Any]
-        try:
-            replies = await self._send(due)
-        except Exception as exc:  # unreachable or refused: each follower joins and learns it
-            log.info("lease re-check of %d flights failed: %s", len(due), exc)
-            replies = [exc] * len(due)
-        for entry, reply in zip(due, replies, strict=True):
+    async def _peek(self, flights: list[Recheck], watches: list[Watch]) -> None:
+        gaps = self._gaps
+        answers = await asyncio.gather(
+            self._send(flights), self._send_sessions(watches), return_exceptions=True
+        )
+        replies: list[list[Any]] = []
+        for answer, count in zip(answers, (len(flights), len(watches)), strict=True):
+            if isinstance(answer, BaseException):  # unreachable or refused: join and learn
+                if not isinstance(answer, Exception):
+                    raise answer
+                log.info("lease re-check of %d flights or sessions failed: %s", count, answer)
+                answer = [answer] * count
+            replies.append(answer)
+        gapped = gaps != self._gaps  # the answers may be older than the gap: peek again
+        for watch, reply in zip(watches, replies[1], strict=True):
+            watch.peeking = False
+            if watch.gone:
+                continue
+            if type(reply) is int and reply > 0:  # still holds its epoch, renewed
+                watch.due = self._after(reply, watch.lease_ms)
+                self._push(watch, watch.due)
+            else:  # lapsed or replaced (for good), or the peek failed: every flight bound
+                self._retire(watch)  # to it joins again
+                for entry in list(watch.flights):
+                    entry.watch = None
+                    if not entry.gone:
+                        self._wake(entry)
+                watch.flights.clear()
+        now = self._clock()
+        for entry, reply in zip(flights, replies[0], strict=True):
             entry.peeking = False
             if entry.gone:
                 continue
-            if type(reply) is int and reply > 0:  # the claim still holds, renewed
+            if gapped and not isinstance(reply, Exception):
+                self._push(entry, min(now, entry.deadline))
+            elif type(reply) is int and reply > 0:  # the claim still holds, renewed
+                self._unbind(entry)
                 entry.due = max(entry.due, self._after(reply, entry.lease_ms))
+                self._push(entry, min(entry.due, entry.deadline))
+            elif isinstance(reply, list) and int(reply[0]) > 0:  # holds, bound to a session
+                own, node, epoch, session_left = reply
+                self._bind(entry, node, epoch, int(session_left))
+                entry.due = max(entry.due, self._after(int(own), entry.lease_ms))
                 self._push(entry, min(entry.due, entry.deadline))
             else:  # ended, lapsed or claimed anew (or the peek failed): the follower joins,
                 self._wake(entry)  # and queues it again with what the join told
 
     async def _send(self, due: list[Recheck]) -> list[Any]:
-        """Each flight's lease left (ms) while its claim holds, else -1; or the error that
-        failed its call. ``peek_flight`` calls of up to ``PEEK_CALL`` flights (one slot a
-        call on a Cluster), all in one round trip (one per node of a Cluster)."""
+        """Each flight's answer while its claim holds (the lease it has left, in ms; for a
+        bound flight a list, ``peek_flight.lua``), else -1; or the error that failed its
+        call. ``peek_flight`` calls of up to ``PEEK_CALL`` flights (one slot a call on a
+        Cluster), all in one round trip (one per node of a Cluster)."""
+        if not due:
+            return []
         self.peeks += len(due)
         cluster = self._conn.cluster is not None
         groups = script_batches(due, lambda entry: entry.fk.meta, cluster, self.PEEK_CALL)
         calls = [([e.fk.meta for e in group], [e.claim for e in group]) for group in groups]
         replies = await script_calls(self._conn, LUA["peek_flight"], calls)
         self.peek_calls += len(calls)
+        out: list[Any] = []
+        for group, reply in zip(groups, replies, strict=True):
+            out += reply if isinstance(reply, list) else [reply] * len(group)
+        return out
+
+    async def _send_sessions(self, due: list[Watch]) -> list[Any]:
+        """Each session's TTL left while it holds the epoch watched, else -1
+        (``peek_sessions``, up to ``PEEK_CALL`` sessions a call; one server only)."""
+        if not due:
+            return []
+        self.session_peeks += len(due)
+        groups = [due[i : i + self.PEEK_CALL] for i in range(0, len(due), self.PEEK_CALL)]
+        calls = [([w.key for w in group], [w.epoch for w in group]) for group in groups]
+        replies = await script_calls(self._conn, LUA["peek_sessions"], calls)
         out: list[Any] = []
         for group, reply in zip(groups, replies, strict=True):
             out += reply if isinstance(reply, list) else [reply] * len(group)
@@ -236,6 +400,7 @@ class Rechecks:
             self._timer.cancel()
             self._timer = None
         self._heap.clear()
+        self._watches.clear()
         self._stale = 0
         sender = self._sender
         if sender is not None:

@@ -20,6 +20,7 @@ LUA = scripts(
     "fail_flight",
     "read_result",
     "peek_flight",
+    "peek_sessions",
 )
 
 HIT, FOLLOW, CLAIMED, VACANT, ENDED = 1, 2, 3, 0, 4
@@ -39,7 +40,9 @@ class State:
     ended: bytes = b""  # ENDED: b"done" or b"error"
     count: int | None = None  # ENDED: a stream's chunk count
     sent: float = 0.0  # when the join that answered this was sent (local monotonic clock)
-    bound: bytes = b""  # CLAIMED: the epoch of the claimer's session the flight is bound to
+    bound: bytes = b""  # CLAIMED, FOLLOW: the epoch of the owner's session the flight is bound to
+    owner_node: bytes = b""  # FOLLOW of a bound flight: the node whose session that is
+    own_left_ms: int = 0  # FOLLOW of a bound flight: meta's own TTL (its keys' backstop)
     ttl_left_ms: int = 0  # HIT: the result's time left
     leasable: bool = False  # HIT: no invalidation marks it (a near cache may lease it)
     cost_ms: int = 0  # HIT: how long the result took to compute (0: unknown)
@@ -87,6 +90,9 @@ def state_of(reply: list[Any], claim_id: str, sent: float) -> State:
             rank=int(reply[3]),
             last_id=reply[4],
             newest=reply[5] if len(reply) > 5 else None,
+            bound=reply[6] if len(reply) > 8 and reply[6] else b"",
+            owner_node=reply[7] if len(reply) > 8 and reply[6] else b"",
+            own_left_ms=max(int(reply[8]), 0) if len(reply) > 8 and reply[6] else 0,
         )
     return State(VACANT, rank=int(reply[1]))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._backends.listener import Listener
 
@@ -119,6 +119,8 @@ class WakeHub:
         self.channel = channel
         self._waiters: dict[str, list[Waiter]] = {}
         self.heard = 0
+        # called on every gap after the waiters were flagged (the re-checks peek at once)
+        self.gap_hooks: list[Callable[[], None]] = []
         listener.add(channel, self._on_message, self._on_gap)
 
     def watch(self, digest: str) -> Waiter:
@@ -151,3 +153,5 @@ class WakeHub:
         for waiters in self._waiters.values():
             for waiter in waiters:
                 waiter.lost()
+        for hook in self.gap_hooks:
+            hook()

@@ -9,7 +9,8 @@ local function session_key(meta, node)
   return string.sub(meta, 1, -41) .. ':session:' .. node
 end
 -- live(meta): whether the flight runs; the lease it has left in ms (its session's when
--- bound); and `true` when meta is still there though dead (its session lapsed or moved on)
+-- bound); `true` when meta is still there though dead (its session lapsed or moved on); and,
+-- for a bound flight, its epoch and owner node (a follower watches that session)
 local function live(meta)
   local f = redis.call('HMGET', meta, 'se', 'ownerNode')
   if not f[1] then
@@ -20,5 +21,5 @@ local function live(meta)
   if redis.call('GET', session) ~= f[1] then
     return false, -2, true
   end
-  return true, redis.call('PTTL', session), false
+  return true, redis.call('PTTL', session), false, f[1], f[2]
 end

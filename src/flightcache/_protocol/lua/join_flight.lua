@@ -25,7 +25,7 @@
 --                                           hit: the stored value (or error record), its
 --                                           PTTL, 1 while an invalidation marks it (serve,
 --                                           do not lease), the loader's cost (0: unknown)
---         {2, token, lease_left_ms, rank, from_id, newest_id}
+--         {2, token, lease_left_ms, rank, from_id, newest_id, epoch, node, own_left_ms}
 --                                           follow: a flight is live (lease_left_ms: its
 --                                           owner's session's, for a bound flight); token is '0' while its
 --                                           owner has not confirmed yet; the caller is now in
@@ -33,7 +33,10 @@
 --                                           this flight's `claimed` event: every chunk and
 --                                           the end of the flight come after it; `newest_id`
 --                                           the stream's newest entry (`from_id` itself when
---                                           nothing came after it: no chunk to read back)
+--                                           nothing came after it: no chunk to read back);
+--                                           for a bound flight, the epoch and owner node of
+--                                           the session it is bound to and meta's own TTL
+--                                           (else '', '' and lease_left_ms again)
 --         {3, attempts, entry, token, lease_left_ms, epoch}
 --                                           claimed: (lease_left_ms: meta's own TTL; epoch:
 --                                           the caller's session's, when meta is bound to
@@ -83,7 +86,7 @@ if ARGV[10] ~= '' then
   end
 end
 local rank = redis.call('LPOS', KEYS[3], ARGV[1])
-local alive, left, dead = live(KEYS[2])
+local alive, left, dead, epoch, node = live(KEYS[2])
 if dead then
   -- Bound to a session that lapsed: the flight is vacant, as if meta had expired; none of
   -- its fields (its token, an invalidation's mark) may carry over to the next claim.
@@ -108,7 +111,9 @@ if alive then
   end
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
   local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-  return {2, token, left, rank, from, newest[1] and newest[1][1] or from}
+  local own = epoch and redis.call('PTTL', KEYS[2]) or left
+  return {2, token, left, rank, from, newest[1] and newest[1][1] or from, epoch or '', node or '',
+    own}
 end
 if ARGV[3] == 'mine' or (ARGV[3] == 'first' and rank ~= 0) then
   return {0, rank or -1}

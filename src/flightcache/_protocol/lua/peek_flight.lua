@@ -2,10 +2,13 @@
 -- KEYS[i] meta of flight i   ARGV[i] the stream entry id of the claim followed (its
 -- `claimed` event). Several flights a call (their re-checks due together; on a Cluster,
 -- one slot a call).
--- Returns, per flight, the lease left in ms (its owner's session's, for a flight bound to
--- one) while meta holds that very claim and is live, else -1: the flight ended (its end
--- deleted meta), lapsed (its lease, or its owner's session), or was claimed again (another
--- `claimed` entry); its follower then joins again to learn which. Reads only.
+-- Returns, per flight, -1 unless meta holds that very claim and is live: the flight ended
+-- (its end deleted meta), lapsed (its lease, or its owner's session), or was claimed again
+-- (another `claimed` entry); its follower then joins again to learn which. While it holds:
+-- for an unbound flight, the lease it has left in ms; for one bound to its owner's session,
+-- {meta's own TTL, owner node, epoch, the session's TTL}: its follower then watches the
+-- session (`peek_sessions`) and peeks the flight again only when meta's own TTL ran out.
+-- Reads only.
 -- include: _live.lua
 local out = {}
 for i = 1, #KEYS do
@@ -16,7 +19,11 @@ for i = 1, #KEYS do
     out[i] = redis.call('PTTL', KEYS[i])
   else
     local session = session_key(KEYS[i], f[3])
-    out[i] = redis.call('GET', session) == f[2] and redis.call('PTTL', session) or -1
+    if redis.call('GET', session) == f[2] then
+      out[i] = {redis.call('PTTL', KEYS[i]), f[3], f[2], redis.call('PTTL', session)}
+    else
+      out[i] = -1
+    end
   end
 end
 return out
