@@ -49,7 +49,7 @@ class Tuning:
     failover_s: float = 10.0
     renew_batch: int = 200  # flights per renew_leases script call
     # A flight claimed on one server binds to its owner's session there, and its own keys
-    # live this long, renewed every third of it (docs/protocol.md, "Sessions"); 0: no sessions,
+    # live this long, renewed every half of it (docs/protocol.md, "Sessions"); 0: no sessions,
     # every flight renews its own lease every lease/3.
     session_backstop_ms: int = 30_000
     fetch_count: int = 1000  # stream entries per XRANGE when a follower re-reads its stream

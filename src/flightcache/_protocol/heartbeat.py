@@ -150,6 +150,7 @@ class _Book:
         tied: bool = True,
         full_every: int = 0,
         alone: bool = False,
+        interval_s: float | None = None,
     ) -> Lease:
         """Renew a lease of ``lease_s`` (granted at ``granted_at``) while ``work`` runs, and
         cancel ``work`` when it is lost; ``args``: what the batch function needs. With
@@ -157,10 +158,15 @@ class _Book:
         ``full_every``: short renewals allowed between full ones (``Lease.take_full``).
         ``alone``: renewed in a batch of its own, ahead of the others and between their
         slices (a session, which keeps many flights: a long batch of flights must not make
-        it wait, nor its proof wait for theirs)."""
+        it wait, nor its proof wait for theirs). ``interval_s``: renewed this often instead of
+        every third of the lease (a bound flight's own keys: every half of the backstop)."""
         granted_at = self._clock() if granted_at is None else granted_at
         lease = Lease(work, lease_s, digest, granted_at, args, full_every)
         lease.alone = alone
+        if interval_s is not None:
+            lease.interval_s = interval_s
+            lease.window_s = min(lease.window_s, interval_s / 2)
+            lease.next_due = granted_at + interval_s
         if tied:
             work.add_done_callback(lambda _f: self.remove(lease))
         self._register(lease)

@@ -330,6 +330,9 @@ class Owner:
                 granted_at=granted_at,
                 args=(fk, token, backstop_ms, backstop_ms, claim),
                 tied=False,
+                # Every half of the backstop, not every third: these renewals keep keys, not
+                # liveness (the session's), and a flight shorter than half of it needs none.
+                interval_s=self.sessions.backstop_s / 2,
             )
             # Renewed when due, give or take half a session tick: not brought forward by
             # half of its own long interval to go with the session's ticks.

@@ -5,7 +5,7 @@ A flight's lease used to be renewed alone, every ``lease/3``: ten thousand owned
 were ten thousand fenced renewals a second, each packed, sent, run and settled, and their
 ticks were where the wake-ups of other flights waited. A bound flight lives while its
 owner's session key holds the epoch it was bound to; one renewal a ``lease/3`` keeps all of
-them, and each one's own keys need only a renewal every third of the backstop.
+them, and each one's own keys need only a renewal every half of the backstop.
 
 The rules that keep a stale owner from writing (the page says why each holds):
 

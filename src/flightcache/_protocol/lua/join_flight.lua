@@ -171,7 +171,7 @@ local ttl = ARGV[5]
 local bound = 0
 if KEYS[8] and redis.call('GET', KEYS[8]) == ARGV[16] then
   -- Bound to the claimer's session: live while it holds this epoch; meta, the stream and
-  -- waiters live for the backstop, renewed by the owner every third of it.
+  -- waiters live for the backstop, renewed by the owner every half of it.
   redis.call('HSET', KEYS[2], 'se', ARGV[16])
   ttl, bound = ARGV[17], 1
 end
