@@ -119,7 +119,7 @@ class WakeHub:
         self.channel = channel
         self._waiters: dict[str, list[Waiter]] = {}
         self.heard = 0
-        # called on every gap after the waiters were flagged (the re-checks peek at once)
+        # called on every gap after the waiters were flagged (bound flights are joined again)
         self.gap_hooks: list[Callable[[], None]] = []
         listener.add(channel, self._on_message, self._on_gap)
 
