@@ -11,9 +11,10 @@ in flight at once (docs/protocol.md, "Waiting, claiming and renewing at scale").
   same processes and run: ``single_rounds`` rounds of one key each. Three times: the ends
   spread over ``spread_s``; over ``loader_s`` (``keys / loader_s`` ends a second: what
   ``keys`` flights in flight sustain, the steady state); each wave's ends in one instant.
-- Renewals: while the owner's loaders all run and nothing else happens (before the follower
-  starts), ``INFO commandstats`` over ``window_s``: the owner's ``EVALSHA`` calls a second,
-  next to one renewal script per flight per lease/3.
+- Renewals: a phase of its own, the owner's ``keys`` loaders all running and nothing else
+  happening, ``INFO commandstats`` over ``window_s`` (16 s: a whole cycle of a bound flight's
+  own renewals, every half of the 30 s backstop, and sixteen session ticks): the owner's
+  ``EVALSHA`` calls a second, next to one renewal script per flight per lease/3.
 - Memory: once the follower has joined every flight (its ``follows`` counter), ``MEMORY
   USAGE`` (``SAMPLES 0``) of each flight's meta, stream and waiters keys, per flight; and
   ``INFO memory`` ``used_memory`` growth since before the flights, per flight.
@@ -170,7 +171,6 @@ async def _many_keys(
     run_id: str,
     keys: int,
     loader_s: float,
-    window_s: float,
     wave: int,
     spread_s: float,
 ) -> dict[str, Any]:
@@ -185,17 +185,7 @@ async def _many_keys(
         "wave": wave,
     }
     claimed = await owner.ask({**order, "timeout": loader_s / 2}, loader_s)
-    # Renewals: only the owner's heartbeats run now (the follower has not started).
     await asyncio.sleep(0.2)
-    before, stats_before = await _commandstats(ctl), await owner.ask({"op": "progress"}, 10)
-    cpu_before = (await _server_cpu(ctl), _cpu_seconds(owner.pid))
-    t0 = time.monotonic()
-    await asyncio.sleep(window_s)
-    after, stats_after = await _commandstats(ctl), await owner.ask({"op": "progress"}, 10)
-    cpu_after = (await _server_cpu(ctl), _cpu_seconds(owner.pid))
-    window = time.monotonic() - t0
-    renewals = delta(before, after)
-    owner_commands = stats_after["stats"]["commands"] - stats_before["stats"]["commands"]
 
     follower_peak = ConnectionPeak(ctl, follower.pid)
     owner_peak = ConnectionPeak(ctl, owner.pid, interval=0.5)
@@ -227,7 +217,6 @@ async def _many_keys(
         "claim_s": claimed["claim_s"],
         "lease_lost_while_claiming": claimed["lease_lost"],
         "follow_started_at": started["started_at"],  # time.monotonic(), as the warnings'
-        "renewal_window_lease_lost": stats_after["stats"]["lease_lost"],
         "running_at_once": claimed["running"],
         "join_s": joined["at"] - started["started_at"],
         "joined_before_first_end": joined["follows"],
@@ -264,17 +253,47 @@ async def _many_keys(
             },
         },
         "memory": memory,
-        "renewals": {
-            "window_s": window,
-            "flights": claimed["running"],
-            "evalsha_per_s": renewals.get("evalsha", 0) / window,
-            "one_script_per_flight_per_s": claimed["running"] / (LEASE_S / 3),
-            "server_commands_per_s": sum(renewals.values()) / window,
-            "by_name_per_s": {n: v / window for n, v in renewals.items()},
-            "owner_client_commands_per_s": owner_commands / window,
-            "server_cpu_share": (cpu_after[0] - cpu_before[0]) / window,
-            "owner_cpu_share": (cpu_after[1] - cpu_before[1]) / window,
-        },
+    }
+
+
+async def _renewals(
+    ctl: aioredis.Redis, owner: Worker, run_id: str, keys: int, window_s: float
+) -> dict[str, Any]:
+    """The owner's renewals alone: ``keys`` flights owned and nothing else running, over
+    ``window_s`` from 0.2 s after the last claim (the loaders outlast it by 3 s)."""
+    order = {
+        "op": "own",
+        "prefix": f"renew:{run_id}",
+        "keys": keys,
+        "loader_s": window_s + 3.0,
+        "spread_s": 0.0,
+        "wave": 1_000,
+    }
+    claimed = await owner.ask({**order, "timeout": window_s / 2}, window_s)
+    await asyncio.sleep(0.2)
+    before, stats_before = await _commandstats(ctl), await owner.ask({"op": "progress"}, 10)
+    cpu_before = (await _server_cpu(ctl), _cpu_seconds(owner.pid))
+    t0 = time.monotonic()
+    await asyncio.sleep(window_s)
+    after, stats_after = await _commandstats(ctl), await owner.ask({"op": "progress"}, 10)
+    cpu_after = (await _server_cpu(ctl), _cpu_seconds(owner.pid))
+    window = time.monotonic() - t0
+    renewals = delta(before, after)
+    owner_commands = stats_after["stats"]["commands"] - stats_before["stats"]["commands"]
+    own = await owner.ask({"op": "results", "timeout": 60}, 70)
+    return {
+        "window_s": window,
+        "flights": claimed["running"],
+        "keys": keys,
+        "right": own["right"],
+        "lease_lost": stats_after["stats"]["lease_lost"] - stats_before["stats"]["lease_lost"],
+        "evalsha_per_s": renewals.get("evalsha", 0) / window,
+        "one_script_per_flight_per_s": claimed["running"] / (LEASE_S / 3),
+        "server_commands_per_s": sum(renewals.values()) / window,
+        "by_name_per_s": {n: v / window for n, v in renewals.items()},
+        "owner_client_commands_per_s": owner_commands / window,
+        "server_cpu_share": (cpu_after[0] - cpu_before[0]) / window,
+        "owner_cpu_share": (cpu_after[1] - cpu_before[1]) / window,
     }
 
 
@@ -340,7 +359,7 @@ async def run_flights(
     keys: int = 10_000,
     loader_s: float = 20.0,
     single_rounds: int = 100,
-    window_s: float = 11.0,
+    window_s: float = 16.0,
     wave: int = 1_000,
     spread_s: float = 10.0,
     burst_bound_s: float = 20.0,
@@ -368,15 +387,13 @@ async def run_flights(
                     run_id=run_id,
                     keys=keys,
                     loader_s=loader_s,
-                    window_s=window,
                     wave=wave,
                     spread_s=spread,
                 )
-                # The renewals are read in the first: over a whole cycle of a bound flight's
-                # own renewals (a third of the 30 s backstop) and ten session ticks.
-                for spread, window in ((spread_s, window_s), (loader_s, 1.0), (0.0, 1.0))
+                for spread in (spread_s, loader_s, 0.0)
             ]
             plain = await _plain_together(owner, follower, run_id, wave, rounds=3)
+            renewals = await _renewals(ctl, owner, run_id, keys, window_s)
     finally:
         await ctl.aclose()
     burst = await _burst(url, namespace, run_id, keys, burst_bound_s)
@@ -394,6 +411,7 @@ async def run_flights(
         "many_keys": many,
         "many_keys_steady": steady,
         "many_keys_ending_together": together,
+        "renewals": renewals,
         "owner_burst": burst,
     }
 
