@@ -80,6 +80,29 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a follower's re-check as before 0cfd53e: join_flight at once, no peek_flight",
     )
+    parser.add_argument(
+        "--no-watch",
+        action="store_true",
+        help="a follower of a bound flight keeps one timer (peek_flight answering the "
+        "session's TTL), not the session's and the flight's (followers watch sessions)",
+    )
+    parser.add_argument(
+        "--notice-across-faults",
+        action="store_true",
+        help="check follower_notices_within_lease across a server restart or failover too",
+    )
+    parser.add_argument(
+        "--rejoin-after-read",
+        action="store_true",
+        help="a fix proposed (not the code's): a follow of a bound flight that begins with "
+        "its re-read flagged joins again after that read",
+    )
+    parser.add_argument(
+        "--gap-joins-all",
+        action="store_true",
+        help="a fix proposed (not the code's): a gap wakes the follower of every flight to "
+        "join again, unbound ones too",
+    )
     parser.add_argument("--list", action="store_true", help="list scopes and invariants")
     args = parser.parse_args(argv)
     if args.list:
@@ -96,7 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         known = frozenset({args.known_issue}) if args.known_issue else frozenset()
         scope = ALL[scope_name]
         res = check(
-            Model(scope, args.mutant or "", known, peek=not args.no_peek),
+            Model(
+                scope,
+                args.mutant or "",
+                known,
+                peek=not args.no_peek,
+                watch=not args.no_watch,
+                notice_across_faults=args.notice_across_faults,
+                rejoin_after_read=args.rejoin_after_read,
+                gap_joins_all=args.gap_joins_all,
+            ),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )
@@ -114,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for scope in scopes:
         res = check(
-            Model(scope, peek=not args.no_peek),
+            Model(
+                scope,
+                peek=not args.no_peek,
+                watch=not args.no_watch,
+                notice_across_faults=args.notice_across_faults,
+                rejoin_after_read=args.rejoin_after_read,
+                gap_joins_all=args.gap_joins_all,
+            ),
             max_states=args.max_states,
             liveness=not scope.symmetry,
         )

@@ -63,6 +63,14 @@ SESSION_INVARIANTS = {
         "(the loader's lease_left > 0), only while meta is live under its token on the server "
         "(without a server restart or failover)"
     ),
+    "follower_notices_within_lease": (
+        "time passes while a running follower, with no message queued and no re-read "
+        "flagged, follows a flight no longer live under its claim on the server, only while "
+        "a re-check that would find it (a peek answering -1) is due within lease + margin "
+        "(not after a message carrying a flight's end was lost: then up to B; not across a "
+        "server restart or failover, unless --notice-across-faults or the scope says so: "
+        "sessions-failover-notice-2)"
+    ),
 }
 
 LIVENESS = {

@@ -37,6 +37,15 @@ CANCEL_GRACE_S = 1.0
 # it), and the smallest B whose B/3 is a whole tick keeps the state space small: 6 s.
 SESSION_BACKSTOP_S = 2 * LEASE_S
 BACKSTOP_RENEW_EVERY_S = SESSION_BACKSTOP_S / 3
+# How long a finished flight's stream stays readable, with sessions: the code's linger
+# (STREAM_LINGER_MS, 10 s) is a third of its B (30 s), and so is the model's (2 s of 6 s).
+# What it weighs against is B: a follower of a bound flight that missed an end (its re-read
+# came after the linger) waits for its flight timer, up to B. The literal 10 s would outlast
+# the model's B and hide that. Without sessions an end may lapse at once (an
+# over-approximation every invariant there allows: one_run_per_flight asks for the end
+# still on the stream, and a follower's one timer is a lease).
+STREAM_LINGER_OF_BACKSTOP = 3  # the code's B / linger (tests/test_model.py checks it)
+SESSION_LINGER_S = SESSION_BACKSTOP_S / STREAM_LINGER_OF_BACKSTOP
 
 
 def wait_bound_s(timeout_s: float, lease_s: float) -> float:
@@ -71,6 +80,7 @@ class Timing:
     node_renew: int
     backstop: int = 0  # a session-bound meta's TTL (B)
     backstop_renew: int = 0  # a bound flight's own renewal period (B/3)
+    linger: int = 0  # sessions: how long a finished flight's stream stays readable
 
     def wait_bound(self, timeout_s: float) -> int:
         """A call's wait bound in ticks, for a call made with ``timeout=timeout_s``."""
@@ -88,8 +98,9 @@ class Timing:
         margin = max(1, math.ceil(BLOCK_MARGIN_MS / 1000 / tick_s - 1e-9))
         backstop = _exact(SESSION_BACKSTOP_S, tick_s, "the session backstop")
         backstop_renew = _exact(BACKSTOP_RENEW_EVERY_S, tick_s, "the backstop's B/3")
+        linger = _exact(SESSION_LINGER_S, tick_s, "the stream's linger")
         if not leases_for_readers:  # no read leases in the scope: their figures unused
-            return cls(tick_s, lease, renew, margin, 0, 0, 0, 0, backstop, backstop_renew)
+            return cls(tick_s, lease, renew, margin, 0, 0, 0, 0, backstop, backstop_renew, linger)
         return cls(
             tick_s,
             lease,
@@ -101,4 +112,5 @@ class Timing:
             _exact(NODE_RENEW_EVERY_S, tick_s, "node_ttl/3"),
             backstop,
             backstop_renew,
+            linger,
         )

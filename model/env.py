@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 LOCAL_TIMER_PHASES = ("run", "follow", "list", "publish", "await")
 
 
-def _tick_server(server: Server, liveness: bool = True, backstop: bool = True) -> Server:
+def _tick_server(
+    server: Server, liveness: bool = True, backstop: bool = True, linger: int = 0
+) -> Server:
+    if server.fresh:  # the newest end's linger runs down (written in the tick just past: -1)
+        fresh = max(0, (linger if server.fresh < 0 else server.fresh) - 1)
+        server = server._replace(fresh=fresh)
     meta = server.meta
     if meta and (backstop or not meta[0].se):  # no backstop: a bound meta never lapses
         left = meta[0].ttl - 1
@@ -49,6 +54,8 @@ def _shift(proc: Proc, d: int, liveness: bool = True) -> Proc:
         changes["reply"] = (proc.reply[0], max(0, proc.reply[1] + d), proc.reply[2])
     if proc.pc == "follow" and proc.wait:
         changes["wait"] = max(0, proc.wait + d)
+    if proc.ftimer:  # a bound follower's flight timer (only ever set while it follows)
+        changes["ftimer"] = max(0, proc.ftimer + d)
     if proc.live and liveness:
         changes["live"] = max(0, proc.live + d)
     if proc.beat:
@@ -79,9 +86,10 @@ def _drift(proc: Proc, d: int) -> Proc:
 def tick(m: Model, world: World) -> World:
     procs = tuple(_shift(p, -1, m.scope.liveness) if p.alive else p for p in world.procs)
     live, backstop = m.scope.liveness, m.scope.backstop
-    undo = tuple(_tick_server(s, live, backstop) for s in world.undo)
+    linger = m.t.linger
+    undo = tuple(_tick_server(s, live, backstop, linger) for s in world.undo)
     world = world._replace(
-        server=_tick_server(world.server, live, backstop), procs=procs, undo=undo
+        server=_tick_server(world.server, live, backstop, linger), procs=procs, undo=undo
     )
     return _renew_sessions(m, world) if m.scope.sessions else world
 
@@ -145,6 +153,15 @@ def node_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     if not proc.sub:  # reconnect and subscribe again: clear the near cache again
         busy = proc.pc != "idle"
         nxt = proc._replace(sub=True, gap=busy, near=(), heard=busy)
+        rejoins = proc.watch or (m.gap_joins_all and proc.pc == "follow")
+        if rejoins and m.mutant != "watch-ignores-gap":
+            # rechecks.py Rechecks.gap: the follower of a bound flight is woken to join
+            # again (mode first, its cursor), as after a peek's -1; it first re-reads its
+            # stream (the waiter was flagged lost too, and follower.py reads the news
+            # before it joins: pc 'gapjoin'). A meta that vanished without a publish (a
+            # restart, a failover), or a waiters list that lost this node (a failover that
+            # lost its join), is found only by that join.
+            nxt = nxt._replace(pc="gapjoin", watch=(), ftimer=0)
         procs = list(world.procs)
         procs[pid] = nxt
         yield (
@@ -186,7 +203,12 @@ def faults(m: Model, world: World) -> Iterator[Step]:
             for i in range(len(proc.mail)):
                 mail = proc.mail[:i] + proc.mail[i + 1 :]
                 label = f"a wake message to p{pid} ({_shown(proc.mail[i][1])}) is lost"
-                yield _with(world, pid, proc._replace(mail=mail), spent, label)
+                step = _with(world, pid, proc._replace(mail=mail), spent, label)
+                ends = any(e.t in ("done", "error", "reset") for e in proc.mail[i][1])
+                if ends and m.scope.sessions:  # ghost: follower_notices_within_lease
+                    g = step[2].ghost._replace(lost_end=True)
+                    step = (step[0], step[1], step[2]._replace(ghost=g), step[3])
+                yield step
             for i in range(len(proc.inbox)):
                 inbox = proc.inbox[:i] + proc.inbox[i + 1 :]
                 label = f"invalidation {proc.inbox[i][0]} to p{pid} is lost"
@@ -222,7 +244,10 @@ def faults(m: Model, world: World) -> Iterator[Step]:
             b._replace(failover=b.failover - 1),
             "failover to a replica that missed the last write",
         )
-    if scope.linger and world.server.stream:
+    # An ended flight's entries may lapse (a claim's XTRIM, the key's TTL) at any time once
+    # the newest end is a linger old (Server.fresh 0; with sessions, m.t.linger ticks after
+    # it was written; without, at once): a flight still running keeps its own.
+    if scope.linger and world.server.stream and not world.server.fresh:
         s = world.server
         keep = tuple(e for e in s.stream if s.meta and e.id >= s.meta[0].claim)
         if keep != s.stream:

@@ -39,6 +39,17 @@ MUTANTS = {
     "join-keeps-dead-meta": (
         "join_flight follows a meta whose session is dead, as if it were live (no DEL)"
     ),
+    "watch-no-flight-peek": (
+        "a follower of a bound flight runs only the session check (peek_sessions), never the "
+        "per-flight peek_flight (its flight timer is ignored)"
+    ),
+    "watch-ignores-gap": (
+        "a resubscribe (a gap of the wake channel) leaves a bound follower as it was: no "
+        "join again (its stream is re-read, its timers run on)"
+    ),
+    "watch-trusts-stale-epoch": (
+        "peek_sessions answers the TTL of the owner's session key whatever epoch it holds"
+    ),
 }
 
 LAZY = ("start", "loader", "append")  # steps that may wait any number of ticks
@@ -83,6 +94,8 @@ class Scope:
     # process starts with a session established (a node that has run for a while)
     backstop: bool = True  # sessions: False: a bound meta never lapses by its TTL (B taken
     # as unbounded), so a dead owner's flight can end only by its session's liveness
+    notice_across_faults: bool = False  # sessions: follower_notices_within_lease is checked
+    # across a server restart or failover too (as --notice-across-faults)
     doc: str = ""
 
     def timeout(self, pid: int) -> float:
@@ -109,6 +122,8 @@ class Scope:
             extra.append("sessions (established at the start)")
             if not self.backstop:
                 extra.append("no backstop (a bound meta never lapses)")
+            if self.notice_across_faults:
+                extra.append("follower_notices_within_lease across a failover or restart")
         if any("stream" in o for o in self.ops):
             extra.append(f"at most {self.chunks} chunk{'s' if self.chunks > 1 else ''} a run")
         return f"{ops} | faults: {faults or 'none'} | {', '.join(extra)}"
@@ -121,6 +136,10 @@ class Model:
         mutant: str = "",
         known: frozenset[str] = frozenset(),
         peek: bool = True,
+        watch: bool = True,
+        notice_across_faults: bool = False,
+        rejoin_after_read: bool = False,
+        gap_joins_all: bool = False,
     ):
         if mutant and mutant not in MUTANTS:
             raise ValueError(f"unknown mutant {mutant!r}")
@@ -131,8 +150,25 @@ class Model:
         # flight's?) and joins only when it is not (0cfd53e); False: the re-check before it,
         # a join_flight in mode first at once.
         self.peek = peek
+        # Followers watch sessions (scopes with sessions, with the peek): a follower of a
+        # bound flight keeps two timers, the session's (peek_sessions) and the flight's own
+        # (peek_flight, up to B); False: one timer, peek_flight answering the session's TTL.
+        self.watch = watch and peek and scope.sessions
+        # follower_notices_within_lease across a server restart or failover too (off: like
+        # the other lease guarantees, it is not claimed across one; see docs/protocol.md)
+        self.notice_across_faults = notice_across_faults or scope.notice_across_faults
+        # A fix proposed, not the code's: a follow of a bound flight that begins with its
+        # re-read flagged (a gap before the follow) joins again after that read, as after a
+        # gap while it follows (pc 'gapjoin'): an end it missed is found by that join.
+        self.rejoin_after_read = rejoin_after_read and self.watch
+        # Another (not the code's): a gap wakes the follower of every flight to join again,
+        # not only of the bound ones: a follower of an unbound flight whose place in waiters
+        # a restart or failover lost may learn of a bound takeover from its stream, and
+        # then trust the waiters list as if it had joined.
+        self.gap_joins_all = gap_joins_all and self.watch
         self.mutant = mutant
         self.known = known
+
         self.t = Timing.of(scope.tick_s, leases_for_readers=scope.near)
         groups: dict[tuple, list[int]] = {}
         for pid, ops in enumerate(scope.ops):  # the same operations with the same timeout
@@ -228,6 +264,10 @@ class Model:
                 )
             elif p.ltimer == 0 and p.pc == "run":
                 why.append(f"returns_within_wait_bound: p{pid}'s loader runs past its timeout")
+        g = world.ghost
+        if self.scope.sessions and not g.lost_end:
+            if self.notice_across_faults or not g.server_fault:
+                why.extend(procs.unnoticed(self, world))
         return tuple(why)
 
     def op(self, pid: int, proc: Proc) -> str:
@@ -283,11 +323,20 @@ class Model:
 
 def _key(proc: Proc) -> tuple:
     """A process's state without the pids it holds: unchanged by renaming."""
-    return (*proc[:_INBOX], len(proc.inbox), *proc[_INBOX + 1 : _INV], bool(proc.inv))
+    return (
+        *proc[:_INBOX],
+        len(proc.inbox),
+        *proc[_INBOX + 1 : _WATCH],
+        proc.watch[1:],
+        *proc[_WATCH + 1 : _INV],
+        bool(proc.inv),
+    )
 
 
 _INBOX = Proc._fields.index("inbox")
+_WATCH = Proc._fields.index("watch")
 _INV = Proc._fields.index("inv")
+assert _INBOX < _WATCH < _INV
 assert _INV == len(Proc._fields) - 1
 
 
@@ -326,7 +375,8 @@ def _rename(world: World, perm: tuple[int, ...]) -> World:
         inv = proc.inv
         if inv:
             inv = (inv[0], tuple(sorted(perm[q] for q in inv[1])), *inv[2:])
-        new[perm[i]] = proc._replace(inbox=inbox, inv=inv)
+        watch = (perm[proc.watch[0]], proc.watch[1]) if proc.watch else ()
+        new[perm[i]] = proc._replace(inbox=inbox, inv=inv, watch=watch)
     # Invalidation ids name their invalidator ((pid + 1) * 100 + op); they are compared for
     # equality only, so they are left as they are: two renamings that differ only there
     # stay apart (the reduction is smaller, never unsound).

@@ -111,16 +111,16 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
         return _done(m, world, pid, proc, value, why), None
     stream = m.op(pid, proc) == "stream"
     if kind == "follow":
-        _, _token, lease_left, _rank, from_id = reply
+        from_id = reply[4]
         if stream:  # job.on_follow; the stream is read at once (waiter.lost())
             proc = streams.new_generation(m, proc, from_id)._replace(gap=True)
-        return proc._replace(
+        proc = proc._replace(
             pc="follow",
             cursor=from_id,
             gen=from_id,  # job.on_follow
-            timer=lease_left + t.margin,
             wait=_sent(m, proc) if m.scope.near else 0,
-        ), None
+        )
+        return _flagged(m, _follow_timers(m, proc, *reply[2:3], *reply[5:])), None
     if kind == "claimed":
         _, entry, token, se = reply
         if proc.gen:
@@ -206,7 +206,10 @@ def _show(reply: tuple) -> str:
     if kind == "hit":
         return f"hit v{reply[1]}" + (" (marked)" if reply[2] else "")
     if kind == "follow":
-        return f"follow token {reply[1]} from {reply[4]}, lease {reply[2]}, rank {reply[3]}"
+        shown = f"follow token {reply[1]} from {reply[4]}, lease {reply[2]}, rank {reply[3]}"
+        if reply[5]:
+            shown += f", bound to p{reply[6]}'s session {reply[5]}, meta's TTL {reply[7]}"
+        return shown
     if kind == "claimed":
         shown = f"claimed entry {reply[1]}" + (f", token {reply[2]}" if reply[2] else "")
         return shown + (f", bound to session {reply[3]}" if reply[3] else "")
@@ -251,8 +254,8 @@ def _wake(m: Model, world: World, pid: int, proc: Proc) -> tuple[str, World, lis
                 f"{e.tok} while it holds flight {proc.gen}"
             )
         proc = proc._replace(cursor=e.id)
-        if e.t == "claimed":  # job.on_claimed: a new generation
-            proc = proc._replace(gen=e.id)
+        if e.t == "claimed":  # job.on_claimed: a new generation, its binding not known
+            proc = proc._replace(gen=e.id, watch=(), ftimer=0)
             if stream:
                 proc = streams.new_generation(m, proc, e.id)
             continue
@@ -270,13 +273,19 @@ def _wake(m: Model, world: World, pid: int, proc: Proc) -> tuple[str, World, lis
             proc = _done(m, world, pid, proc, ERROR, why)
             return f"p{pid} wake: {_entries(news)} -> returns error", _put(world, pid, proc), why
         if e.t == "reset":  # join in mode first with the reset entry as position
-            proc = proc._replace(pc="join", mode="first", since=e.id, timer=0, wait=0)
+            proc = proc._replace(
+                pc="join", mode="first", since=e.id, timer=0, wait=0, watch=(), ftimer=0
+            )
             return f"p{pid} wake: {_entries(news)} -> join first", _put(world, pid, proc), why
     if news:
         proc = proc._replace(timer=m.t.lease + m.t.margin, wait=wait)
     else:
         proc = proc._replace(wait=wait)
-    return f"p{pid} wake: {_entries(news) or 'nothing new'}", _put(world, pid, proc), why
+    shown = f"p{pid} wake: {_entries(news) or 'nothing new'}"
+    if proc.pc == "gapjoin":  # a bound follower after a gap: the re-check's join next
+        proc = proc._replace(pc="recheck")
+        shown += ", then join again (a gap)"
+    return shown, _put(world, pid, proc), why
 
 
 def _entries(entries: list[Entry]) -> str:
@@ -297,17 +306,31 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         joined = _join(m, world, pid, proc, mode, proc.since, label)
         if joined:
             yield joined[0], (pid, "join"), joined[1], tuple(joined[2])
+    elif pc == "gapjoin":  # after a gap: the stream re-read, then a join (_wake's end)
+        label, w, why = _wake(m, world, pid, proc)
+        yield label, (pid, "wake"), w, tuple(why)
+        if proc.due == 0:  # follower.py checks the deadline before it takes the news
+            nxt = _done(m, world, pid, proc, TIMEOUT, [])
+            label = f"p{pid} wait bound passes: FlightTimeout"
+            yield label, (pid, "deadline"), _put(world, pid, nxt), ()
     elif pc == "follow":
         if proc.mail or proc.gap:
             label, w, why = _wake(m, world, pid, proc)
             yield label, (pid, "wake"), w, tuple(why)
         # follower.py waits min(recheck_at, deadline); past the deadline, FlightTimeout.
         # Mutant no-deadline-wait: it waits for recheck_at and sees the deadline only then.
-        if proc.due == 0 and (proc.timer == 0 or m.mutant != "no-deadline-wait"):
+        flight_due = bool(proc.watch) and proc.ftimer == 0 and m.mutant != "watch-no-flight-peek"
+        if proc.due == 0 and (proc.timer == 0 or flight_due or m.mutant != "no-deadline-wait"):
             nxt = _done(m, world, pid, proc, TIMEOUT, [])
             label = f"p{pid} wait bound passes: FlightTimeout"
             yield label, (pid, "deadline"), _put(world, pid, nxt), ()
-        elif proc.timer == 0 and m.mutant != "no-recheck":  # the wait ran out: re-check
+        elif m.mutant == "no-recheck":
+            pass
+        elif flight_due:  # a bound follower's flight timer: peek_flight (both timers)
+            yield _peek(m, world, pid, proc)
+        elif proc.timer == 0 and proc.watch:  # its session timer: peek_sessions
+            yield _peek_session(m, world, pid, proc)
+        elif proc.timer == 0:  # the wait ran out: re-check
             if m.peek:
                 yield _peek(m, world, pid, proc)
             else:
@@ -337,23 +360,60 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         yield f"p{pid} reply v{value} ({leased})", (pid, "reply"), _put(world, pid, nxt), tuple(why)
 
 
+def _follow_timers(
+    m: Model, proc: Proc, left: int, se: int = 0, owner: int = 0, ttl: int = 0
+) -> Proc:
+    """A follower's re-check timers from a join's follow reply or a peek_flight: the lease
+    left + margin; when followers watch sessions (``Model.watch``) and the flight is bound,
+    that is the session's timer, and the flight's own is meta's TTL + margin."""
+    if m.watch and se:
+        return proc._replace(timer=left + m.t.margin, ftimer=ttl + m.t.margin, watch=(owner, se))
+    return proc._replace(timer=left + m.t.margin, ftimer=0, watch=())
+
+
+def _flagged(m: Model, proc: Proc) -> Proc:
+    """A follow that begins with its re-read flagged: with ``Model.rejoin_after_read`` (a
+    fix proposed, not the code's), a bound follower joins again after that read."""
+    if m.rejoin_after_read and proc.watch and proc.gap:
+        return proc._replace(pc="gapjoin", watch=(), ftimer=0)
+    return proc
+
+
 def _peek(m: Model, world: World, pid: int, proc: Proc) -> Step:
     """peek_flight.lua: while meta still holds the claim the follower follows, the lease
-    it has left (wait again); else a join in mode first (pc 'recheck', the next step)."""
-    left = scripts.peek_flight(world.server, proc.gen)
+    it has left (wait again; a bound flight watched: both timers, the binding learnt);
+    else a join in mode first (pc 'recheck', the next step)."""
+    left, se, owner, ttl = scripts.peek_flight(world.server, proc.gen)
     if left >= 0:
-        nxt = proc._replace(timer=left + m.t.margin)
+        nxt = _follow_timers(m, proc, left, se, owner, ttl)
         shown = f"claim {proc.gen} holds, lease {left}"
+        if nxt.watch:
+            shown += f" (p{owner}'s session {se}), meta's TTL {ttl}"
     else:
-        nxt = proc._replace(pc="recheck")
+        nxt = proc._replace(pc="recheck", watch=(), ftimer=0)
         shown = "-1"
     return f"p{pid} peek_flight -> {shown}", (pid, "recheck"), _put(world, pid, nxt), ()
+
+
+def _peek_session(m: Model, world: World, pid: int, proc: Proc) -> Step:
+    """peek_sessions.lua (designed): a bound follower's session timer ran out: while the
+    owner's session key holds the epoch, wait its TTL left + margin; else (-1) a join in
+    mode first (pc 'recheck'), as after a -1 from peek_flight."""
+    assert len(proc.watch) == 2
+    owner, epoch = proc.watch
+    left = scripts.peek_sessions(world.server, owner, epoch, m.mutant)
+    if left >= 0:
+        nxt = proc._replace(timer=left + m.t.margin)
+        shown = f"p{owner}'s session {epoch} holds, TTL {left}"
+    else:
+        nxt = proc._replace(pc="recheck", watch=(), ftimer=0)
+        shown = f"p{owner}'s session {epoch}: -1"
+    return f"p{pid} peek_sessions -> {shown}", (pid, "recheck"), _put(world, pid, nxt), ()
 
 
 def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     """The re-check's join_flight in mode first, with the cursor as position."""
     why: list[str] = []
-    t = m.t
     server, reply, wake = scripts.join_flight(
         world.server, pid, "first", proc.cursor, *_join_args(m, proc)
     )
@@ -364,17 +424,17 @@ def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     if proc.due == 0:  # a pause between the peek and the join: past the wait bound
         nxt = _done(m, world, pid, proc, TIMEOUT, why)
         shown += ", past the wait bound: FlightTimeout"
-    elif reply[0] == "follow":
-        _, _tok, lease_left, _rank, from_id = reply
+    elif reply[0] == "follow":  # the binding re-read from the reply
+        from_id = reply[4]
         if m.op(pid, proc) == "stream":  # job.on_follow
             proc = streams.new_generation(m, proc, from_id)
         nxt = proc._replace(
             pc="follow",
             gen=from_id,
             cursor=max(proc.cursor, from_id),
-            timer=lease_left + t.margin,
             wait=_sent(m, proc) if m.scope.near else 0,
         )
+        nxt = _flagged(m, _follow_timers(m, nxt, *reply[2:3], *reply[5:]))
     else:
         nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
         nxt, ghost = _start_session(m, nxt, reply, ghost)
@@ -485,6 +545,40 @@ def owner_views(world: World) -> tuple[str, ...]:
                 "longer gives it",
             )
     return ()
+
+
+def unnoticed(m: Model, world: World) -> list[str]:
+    """follower_notices_within_lease, checked when time passes: a running follower with no
+    word of its flight pending (no message queued, no re-read flagged) whose flight is no
+    longer live under the claim it follows (meta gone, another claim, its session dead)
+    has a re-check due within lease + margin that would find it (answer -1), as with the
+    one timer of peek_flight. (Not after a lost message that carried an end: the caller
+    checks ``Ghost.lost_end``; a follower that watches sessions finds it then by B.)"""
+    s = world.server
+    bound = m.t.lease + m.t.margin
+    why = []
+    for pid, p in enumerate(world.procs):
+        if not p.alive or p.paused or p.pc != "follow" or p.mail or p.gap:
+            continue
+        if s.meta and s.meta[0].claim == p.gen and scripts.live(s, s.meta[0]):
+            continue
+        if p.watch:  # the session check finds it if the key is gone by then (no renewal)
+            left = scripts.peek_sessions(s, *p.watch, m.mutant)
+            q = world.procs[p.watch[0]]
+            lapses = left < p.timer and (not q.alive or q.paused)
+            due = [p.timer] if left < 0 or lapses else []
+            if m.mutant != "watch-no-flight-peek":
+                due.append(p.ftimer)
+        else:
+            due = [] if m.mutant == "no-recheck" else [p.timer]
+        if not due or min(due) > bound:
+            when = f"in {min(due)} ticks" if due else "never"
+            why.append(
+                f"follower_notices_within_lease: p{pid} follows flight {p.gen}, which is no "
+                f"longer live on the server, and re-checks it {when} (more than lease + "
+                f"margin, {bound} ticks)"
+            )
+    return why
 
 
 def _lost_shown(proc: Proc) -> str:

@@ -93,6 +93,17 @@ SMALL += (
         doc="session leases (docs/protocol.md, Sessions): flights bound to "
         "their owner's session, a crash, a pause past the session's lease, a lost message",
     ),
+    Scope(
+        "sessions-failover-notice-2",
+        (("do",), ("do",)),
+        sessions=True,
+        flights=2,
+        budget=Budget(failover=1),
+        notice_across_faults=True,
+        doc="a failover to a replica that missed the last write (a follower's join among "
+        "them), no pause: a follower of a bound flight notices its end within a lease "
+        "across the failover too (follower_notices_within_lease)",
+    ),
 )
 
 LIVENESS = (
@@ -272,6 +283,14 @@ MUTANT_SCOPES = {
     # until B lapses (every property checked here holds in sessions-2): caught where B is
     # unbounded, so that only the session's liveness can end a dead owner's flight.
     "join-keeps-dead-meta": "sessions-unbacked-2",
+    # A failover to a replica that missed a completion leaves a bound meta whose owner's
+    # session lives on and nobody runs: only the flight's own peek finds it lapse (also
+    # caught in sessions-2, by liveness after a lost done, in 30 times the time).
+    "watch-no-flight-peek": "sessions-failover-notice-2",
+    # A failover that loses a follower's join (its place in waiters) is noticed only by the
+    # join after the gap; the lease guarantees are not claimed across a failover elsewhere.
+    "watch-ignores-gap": "sessions-failover-notice-2",
+    "watch-trusts-stale-epoch": "sessions-unbacked-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

@@ -25,6 +25,12 @@ def _append(
     return Entry(server.next_id, entry_t, tok, v, stored, n)
 
 
+def _ended(server: Server) -> int:
+    """``Server.fresh`` after an end is appended: -1 (written in this tick; the linger runs
+    from the next) where the linger is modelled, with sessions; else 0 (it may lapse at once)."""
+    return -1 if server.sessions else 0
+
+
 def live(server: Server, meta: Meta) -> bool:
     """Whether meta's flight runs (docs/protocol.md, "Sessions"): it is unbound, or its
     owner node's session key holds the epoch it is bound to."""
@@ -69,11 +75,11 @@ def join_flight(
         if rank < 0:
             rank = len(waiters)
             waiters = (*waiters, pid)
-        return (
-            server._replace(waiters=waiters),
-            ("follow", meta.token, lease_left(server, meta), rank, meta.claim),
-            (),
-        )
+        # the follow reply also tells, for a bound flight, its owner and epoch and meta's
+        # own TTL (followers that watch sessions keep a timer for each)
+        left = lease_left(server, meta)
+        reply = ("follow", meta.token, left, rank, meta.claim, meta.se, meta.owner, meta.ttl)
+        return server._replace(waiters=waiters), reply, ()
     if server.meta:  # present but not live: deleted, then the vacant path, as if it lapsed
         server = server._replace(meta=())
     if mode == "first" and rank != 0:
@@ -130,10 +136,22 @@ def renew_leases(
     return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
 
 
-def peek_flight(server: Server, claim: int) -> int:
-    """peek_flight.lua: the lease left while meta is live and holds ``claim``, else -1."""
+def peek_flight(server: Server, claim: int) -> tuple[int, int, int, int]:
+    """peek_flight.lua: while meta is live and holds ``claim``, the lease left (the
+    session's TTL for a bound flight) and, for a bound flight, its epoch, owner and meta's
+    own TTL (followers that watch sessions keep a timer for each); else -1."""
     if server.meta and server.meta[0].claim == claim and live(server, server.meta[0]):
-        return lease_left(server, server.meta[0])
+        meta = server.meta[0]
+        return lease_left(server, meta), meta.se, meta.owner, meta.ttl
+    return -1, 0, 0, 0
+
+
+def peek_sessions(server: Server, owner: int, epoch: int, mutant: str = "") -> int:
+    """peek_sessions.lua (designed): the TTL left of the owner's session key while it holds
+    ``epoch``, else -1. Mutant watch-trusts-stale-epoch: any epoch there will do."""
+    held, left = server.sessions[owner]
+    if held == epoch or (mutant == "watch-trusts-stale-epoch" and left):
+        return left
     return -1
 
 
@@ -191,6 +209,7 @@ def complete_flight(
         next_id=server.next_id + 1,
         meta=(),
         waiters=(),
+        fresh=_ended(server),
     )
     return server, (1 if stored else 2), wake
 
@@ -210,6 +229,7 @@ def fail_flight(
         next_id=server.next_id + 1,
         meta=(),
         waiters=() if kind == "error" else server.waiters,
+        fresh=_ended(server),
     )
     return server, 1, wake
 

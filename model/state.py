@@ -54,6 +54,9 @@ class Server(NamedTuple):
     next_id: int  # the next stream entry id (the server's time, never reset)
     # per pid: its session key (epoch, ticks left), (0, 0) when absent; () without sessions
     sessions: tuple[tuple[int, int], ...] = ()
+    # ticks before the stream's newest end (done, error, reset) may lapse (the linger): -1
+    # while it was written in this tick, then the linger less one, down to 0 (env.tick)
+    fresh: int = 0
 
 
 class Proc(NamedTuple):
@@ -100,6 +103,11 @@ class Proc(NamedTuple):
     sproof: int = 0  # ticks until the session may have lapsed, by its own clock (its proof)
     sbeat: int = 0  # ticks until its session's next renewal
     bound: bool = False  # an owner: its flight is bound to its session's epoch
+    # a follower of a bound flight, when followers watch sessions (Model.watch): the owner's
+    # (pid, epoch) it watches, () in unbound mode (one timer); ``timer`` is then the
+    # session's timer and ``ftimer`` the flight's own (meta's TTL left + margin, up to B)
+    watch: tuple[int, int] | tuple[()] = ()
+    ftimer: int = 0
     # -- an invalidate()/set() --
     inv: tuple = ()  # (id, holders, trusted, superseded values, superseded below gen)
 
@@ -117,6 +125,7 @@ class Ghost(NamedTuple):
     claims: int = 0  # flights claimed so far (the scope bounds them)
     server_fault: bool = False  # a restart or failover happened (lease guarantees end)
     epochs: int = 0  # session epochs made so far: an epoch's id is its number, never reused
+    lost_end: bool = False  # a lost wake message carried a flight's end (done, error, reset)
 
 
 class Budget(NamedTuple):

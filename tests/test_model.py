@@ -53,6 +53,13 @@ def test_the_models_constants_are_the_codes() -> None:
     # which both have (the code turns sessions off for a backstop not above the lease).
     assert Tuning().session_backstop_ms / 1000 > constants.LEASE_S
     assert constants.SESSION_BACKSTOP_S > constants.LEASE_S
+    # Its stream linger (sessions) keeps the code's ratio to B: the code's 10 s of 30 s.
+    assert Tuning().session_backstop_ms == (
+        constants.STREAM_LINGER_OF_BACKSTOP * Tuning().stream_linger_ms
+    )
+    assert constants.SESSION_LINGER_S * constants.STREAM_LINGER_OF_BACKSTOP == (
+        constants.SESSION_BACKSTOP_S
+    )
 
 
 def test_ticks_are_whole_and_refuse_a_tick_that_would_round_a_lease() -> None:
@@ -100,6 +107,9 @@ CAUGHT_BY = {
     "session-renew-creates": "owner_view_within_servers",
     "fence-ignores-session": "no_store_after_takeover",
     "join-keeps-dead-meta": "",
+    "watch-no-flight-peek": "follower_notices_within_lease",
+    "watch-trusts-stale-epoch": "follower_notices_within_lease",
+    "watch-ignores-gap": "follower_notices_within_lease",
 }
 
 
