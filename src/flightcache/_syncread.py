@@ -77,6 +77,7 @@ class Joined:
         if handle.state is not None and handle.waiter is None:
             handle.waiter = self.flights.hub.watch(fk.digest)
             handle.waiter.lost()
+            handle.waiter.mark = handle.gaps  # (a gap since the send: bound, it joins again)
 
     def prepare(self, fk: FlightKeys) -> Any:
         return self.handle
@@ -289,6 +290,7 @@ class FastPath:
         claim_id = f"{self._claim_prefix}{next(self._claims):x}"
         leaser = self.leaser
         heard: Any = leaser.heard() if leaser is not None else None  # before the send
+        gaps = self.flights.hub.gaps  # (read across threads: an int, only ever grows)
         try:
             reply, sent = self._join(call, claim_id)
         except BaseException:  # interrupted (Ctrl-C) mid-read: the join may have claimed
@@ -309,6 +311,7 @@ class FastPath:
                 )
             return data
         handle = Handle(fk.digest, claim_id)
+        handle.gaps = gaps
         if reply is not None:
             state = state_of(reply, claim_id, sent)
             if state.kind == HIT:  # tagged: its tags' versions are read on the loop

@@ -141,6 +141,7 @@ class Follower:
                 # could not ask): join again to learn whether it ended, was taken over or
                 # fell vacant. While that claim still held it (renewed), nothing could have
                 # been missed: its end would have deleted meta, a takeover changed its claim.
+                rechecks.joining(entry)
                 now = await self.flights._join(
                     fk, opts, "first", refresh=opts.refresh, since=last_id
                 )

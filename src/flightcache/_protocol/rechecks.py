@@ -145,6 +145,10 @@ class Rechecks:
         self._push(entry, min(entry.due, deadline))
         return entry
 
+    def joining(self, entry: Recheck) -> None:
+        """The follower sends a join now: the gaps it must not have missed count from here."""
+        entry.waiter.mark = entry.waiter.hub.gaps
+
     def later(self, entry: Recheck, lease_left_ms: int) -> None:
         """The owner was heard from: the next re-check comes once ``lease_left_ms`` from now
         ran out (for an unbound flight; a bound one's liveness is its session's, watched).
@@ -200,13 +204,22 @@ class Rechecks:
         if not entry.peeking and (entry.queued == -1 or at < entry.at):
             self._push(entry, at)
 
-    def _bind(self, entry: Recheck, node: bytes, epoch: bytes, session_left_ms: int) -> None:
+    def _bind(self, entry: Recheck, node: bytes, epoch: bytes, session_left_ms: int) -> bool:
         """``entry``'s flight is bound to ``node``'s session ``epoch``: watch it (a session
-        watched already keeps its own re-check: what it heard last is the earlier bound)."""
+        watched already keeps its own re-check: what it heard last is the earlier bound).
+        Only if the wake channel had no gap since the join the follower follows was sent:
+        else this node may be missing from the flight's waiters list (a failover or restart
+        lost its join) or the follower may have missed the end (a message lost in the gap,
+        the stream gone by the time it reads), and a watched session would tell of neither;
+        its follower is woken to join again instead (False)."""
+        if entry.waiter.mark != entry.waiter.hub.gaps:
+            self._unbind(entry)
+            self._wake(entry)
+            return False
         key = self._session_key(node.decode())
         watch = entry.watch
         if watch is not None and watch.key == key and watch.epoch == epoch:
-            return
+            return True
         self._unbind(entry)
         watch = self._watches.get((key, epoch))
         if watch is None:
@@ -215,6 +228,7 @@ class Rechecks:
             self._push(watch, watch.due)
         watch.flights.add(entry)
         entry.watch = watch
+        return True
 
     def _unbind(self, entry: Recheck) -> None:
         watch = entry.watch
@@ -353,9 +367,9 @@ class Rechecks:
                 self._push(entry, min(entry.due, entry.deadline))
             elif isinstance(reply, list) and int(reply[0]) > 0:  # holds, bound to a session
                 own, node, epoch, session_left = reply
-                self._bind(entry, node, epoch, int(session_left))
-                entry.due = max(entry.due, self._after(int(own), entry.lease_ms))
-                self._push(entry, min(entry.due, entry.deadline))
+                if self._bind(entry, node, epoch, int(session_left)):
+                    entry.due = max(entry.due, self._after(int(own), entry.lease_ms))
+                    self._push(entry, min(entry.due, entry.deadline))
             else:  # ended, lapsed or claimed anew (or the peek failed): the follower joins,
                 self._wake(entry)  # and queues it again with what the join told
 

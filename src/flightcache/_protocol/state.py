@@ -101,13 +101,14 @@ class Handle:
     """One call's part in a flight, from its first join on: the claim id that join sends
     (sent again, it answers the same claim), its answer, and the call's waiter."""
 
-    __slots__ = ("claim_id", "digest", "state", "waiter")
+    __slots__ = ("claim_id", "digest", "gaps", "state", "waiter")
 
     def __init__(self, digest: str, claim_id: str) -> None:
         self.digest = digest
         self.claim_id = claim_id
         self.state: State | None = None
         self.waiter: Waiter | None = None
+        self.gaps = -1  # a join answered before its waiter existed: the hub's gaps at its send
 
 
 class Lost(Exception):

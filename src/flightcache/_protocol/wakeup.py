@@ -58,11 +58,14 @@ class Waiter:
     join again (``due``: its lease re-check found the claim gone, or its wait bound ran
     out; ``rechecks.py``)."""
 
-    __slots__ = ("_future", "digest", "due", "gap", "hub", "messages")
+    __slots__ = ("_future", "digest", "due", "gap", "hub", "mark", "messages")
 
     def __init__(self, hub: WakeHub, digest: str, gap: bool) -> None:
         self.hub = hub
         self.digest = digest
+        # the hub's gaps when the join whose answer is followed now was sent (at the latest:
+        # first the waiter's making, before its first join; see ``Rechecks``)
+        self.mark = hub.gaps
         self.messages: list[tuple[bytes, list[Entry]]] = []
         self.gap = gap
         self.due = False
@@ -119,6 +122,7 @@ class WakeHub:
         self.channel = channel
         self._waiters: dict[str, list[Waiter]] = {}
         self.heard = 0
+        self.gaps = 0  # gaps so far (a reconnect, a new subscription)
         # called on every gap after the waiters were flagged (bound flights are joined again)
         self.gap_hooks: list[Callable[[], None]] = []
         listener.add(channel, self._on_message, self._on_gap)
@@ -150,6 +154,7 @@ class WakeHub:
             waiter.push(prev, entries)
 
     def _on_gap(self) -> None:
+        self.gaps += 1
         for waiters in self._waiters.values():
             for waiter in waiters:
                 waiter.lost()
