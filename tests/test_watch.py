@@ -212,3 +212,45 @@ async def test_followers_of_a_stopped_owners_bound_flights_take_them_all_over(
     finally:
         proc.kill()
         proc.wait(10)
+
+
+async def test_a_follower_whose_join_crossed_a_gap_joins_again_before_it_watches_the_session(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The follower's listener connection is killed, and is back, between its join's send and
+    its answer: that answer says bound, but the node may have missed the end or left the
+    waiters list meanwhile, so it does not watch the session from it; it joins again, and
+    watches from that join's answer."""
+    owner = make_cache(lease=5.0, near_cache=False)
+    follower = make_cache(lease=5.0, near_cache=False)
+    call, held = await _claimed_bound(owner, "x", "the value")
+    flights = follower._flights
+    listener = follower._conn.listener
+    original = flights._join
+    joins: list[int] = []
+
+    async def join(*args: Any, **kwargs: Any) -> Any:
+        state = await original(*args, **kwargs)
+        joins.append(state.kind)
+        if len(joins) == 1:  # a gap after the first join was sent, over before it returns
+            reconnects = listener.reconnects
+            for client in await redis_client.client_list():
+                if f"{follower.node_id}:listen" in client.get("name", ""):
+                    await redis_client.client_kill_filter(_id=client["id"])
+            await wait_until(
+                lambda: listener.reconnects > reconnects and listener.subscribed, 10, "a gap"
+            )
+        return state
+
+    flights._join = join
+
+    async def never() -> str:
+        raise AssertionError("the follower must not run the loader")
+
+    followed = asyncio.ensure_future(follower.do("x", never))
+    rechecks = _rechecks(follower)
+    await wait_until(lambda: len(rechecks._watches) == 1, 10, "the session watched")
+    assert joins == [2, 2]  # follow, then follow again (FOLLOW = 2) before watching
+    held.release.set()
+    assert await asyncio.wait_for(followed, 10) == "the value"
+    assert await asyncio.wait_for(call, 10) == "the value"
