@@ -147,7 +147,7 @@ async def test_a_gap_in_the_wake_channel_makes_every_bound_flights_follower_join
     await asyncio.wait_for(fresh.started.wait(), 20)  # well before 60 s
     assert time.monotonic() - t0 < 20
     assert listener.reconnects > reconnects
-    assert rechecks.woken >= 1 and rechecks.peeks == 0  # woken by the gap, not a peek
+    assert rechecks.woken >= 1  # woken by the gap (its session check, at 5 s, says alive)
     fresh.release.set()
     assert await asyncio.wait_for(taking, 10) == "fresh"
     held.release.set()
@@ -254,3 +254,35 @@ async def test_a_follower_whose_join_crossed_a_gap_joins_again_before_it_watches
     held.release.set()
     assert await asyncio.wait_for(followed, 10) == "the value"
     assert await asyncio.wait_for(call, 10) == "the value"
+
+
+async def test_a_flagged_read_that_finds_the_stream_gone_peeks_the_flight_itself(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """A follower of a bound flight hears nothing (its listener closed), the flight ends and
+    its stream lapses (deleted here, as after a stall longer than its linger), and the
+    follower's waiter is flagged for a read, as the sync fast path's is: the read finds
+    nothing, so the follower peeks the flight itself and finds the result, where its session
+    (alive) and meta's own TTL (60 s) would have kept it waiting."""
+    tuning = Tuning(session_backstop_ms=60_000)
+    owner = make_cache(lease=5.0, near_cache=False, tuning=tuning)
+    follower = make_cache(lease=5.0, near_cache=False, tuning=tuning)
+    call, held = await _claimed_bound(owner, "e", "the value")
+    fk = owner.keyspace.flight("e")
+
+    async def never() -> str:
+        raise AssertionError("the follower must not run the loader")
+
+    followed = asyncio.ensure_future(follower.do("e", never))
+    await wait_until(lambda: follower.stats["follows"] == 1, 10, "the follow")
+    rechecks = _rechecks(follower)
+    assert len(rechecks._watches) == 1
+    await follower._conn.listener.aclose()  # deaf from now on: the end is not heard
+    held.release.set()
+    assert await asyncio.wait_for(call, 10) == "the value"
+    await redis_client.delete(fk.stream)
+    peeks = rechecks.peeks
+    (waiter,) = follower._flights.hub._waiters[fk.digest]
+    waiter.lost()
+    assert await asyncio.wait_for(followed, 4) == "the value"
+    assert rechecks.peeks > peeks

@@ -119,7 +119,13 @@ class Follower:
                 await waiter.wait()
                 due = waiter.take_due()
                 if waiter.news:
+                    flagged = waiter.gap
                     news = await self._news(fk, waiter, last_id)
+                    if flagged and not news:
+                        # A read of the stream that found nothing after the cursor: nothing
+                        # came, or the stream lapsed with the end on it (this process stalled
+                        # past its linger, with the message gone): the flight's own peek tells.
+                        rechecks.soon(entry)
                     for entry_id, fields in news:
                         last_id = entry_id
                         kind = fields.get(b"t")

@@ -145,6 +145,11 @@ class Rechecks:
         self._push(entry, min(entry.due, deadline))
         return entry
 
+    def soon(self, entry: Recheck) -> None:
+        """Peek the flight itself at the next round, bound or not (its follower's read of the
+        stream could not tell whether it ended)."""
+        self._reschedule(entry, self._clock())
+
     def joining(self, entry: Recheck) -> None:
         """The follower sends a join now: the gaps it must not have missed count from here."""
         entry.waiter.mark = entry.waiter.hub.gaps
