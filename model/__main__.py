@@ -91,18 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="check follower_notices_within_lease across a server restart or failover too",
     )
-    parser.add_argument(
-        "--rejoin-after-read",
-        action="store_true",
-        help="a fix proposed (not the code's): a follow of a bound flight that begins with "
-        "its re-read flagged joins again after that read",
-    )
-    parser.add_argument(
-        "--gap-joins-all",
-        action="store_true",
-        help="a fix proposed (not the code's): a gap wakes the follower of every flight to "
-        "join again, unbound ones too",
-    )
     parser.add_argument("--list", action="store_true", help="list scopes and invariants")
     args = parser.parse_args(argv)
     if args.list:
@@ -126,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                 peek=not args.no_peek,
                 watch=not args.no_watch,
                 notice_across_faults=args.notice_across_faults,
-                rejoin_after_read=args.rejoin_after_read,
-                gap_joins_all=args.gap_joins_all,
             ),
             max_states=args.max_states,
             liveness=not scope.symmetry,
@@ -151,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
                 peek=not args.no_peek,
                 watch=not args.no_watch,
                 notice_across_faults=args.notice_across_faults,
-                rejoin_after_read=args.rejoin_after_read,
-                gap_joins_all=args.gap_joins_all,
             ),
             max_states=args.max_states,
             liveness=not scope.symmetry,

@@ -153,8 +153,9 @@ def node_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
     if not proc.sub:  # reconnect and subscribe again: clear the near cache again
         busy = proc.pc != "idle"
         nxt = proc._replace(sub=True, gap=busy, near=(), heard=busy)
-        rejoins = proc.watch or (m.gap_joins_all and proc.pc == "follow")
-        if rejoins and m.mutant != "watch-ignores-gap":
+        if m.watch and busy:  # WakeHub.gaps counts it: the call's mark is behind now
+            nxt = nxt._replace(gapped=True)
+        if proc.watch and m.mutant != "watch-ignores-gap":
             # rechecks.py Rechecks.gap: the follower of a bound flight is woken to join
             # again (mode first, its cursor), as after a peek's -1; it first re-reads its
             # stream (the waiter was flagged lost too, and follower.py reads the news

@@ -47,6 +47,10 @@ MUTANTS = {
         "a resubscribe (a gap of the wake channel) leaves a bound follower as it was: no "
         "join again (its stream is re-read, its timers run on)"
     ),
+    "watch-binds-across-gap": (
+        "a follower binds to its flight's session (watches it) even when its wake channel "
+        "had a gap since the join it follows was sent (no join again)"
+    ),
     "watch-trusts-stale-epoch": (
         "peek_sessions answers the TTL of the owner's session key whatever epoch it holds"
     ),
@@ -96,6 +100,8 @@ class Scope:
     # as unbounded), so a dead owner's flight can end only by its session's liveness
     notice_across_faults: bool = False  # sessions: follower_notices_within_lease is checked
     # across a server restart or failover too (as --notice-across-faults)
+    established: bool = True  # sessions: each node starts with its session established;
+    # False: with none yet (a fresh node), so its first claim starts one and is unbound
     doc: str = ""
 
     def timeout(self, pid: int) -> float:
@@ -119,7 +125,10 @@ class Scope:
             shown = ", ".join(f"p{i} {t:g} s" for i, t in enumerate(self.timeouts) if t)
             extra.append(f"timeout {shown}")
         if self.sessions:
-            extra.append("sessions (established at the start)")
+            if self.established:
+                extra.append("sessions (established at the start)")
+            else:
+                extra.append("sessions (none at the start: a node's first claim starts one)")
             if not self.backstop:
                 extra.append("no backstop (a bound meta never lapses)")
             if self.notice_across_faults:
@@ -138,8 +147,6 @@ class Model:
         peek: bool = True,
         watch: bool = True,
         notice_across_faults: bool = False,
-        rejoin_after_read: bool = False,
-        gap_joins_all: bool = False,
     ):
         if mutant and mutant not in MUTANTS:
             raise ValueError(f"unknown mutant {mutant!r}")
@@ -157,15 +164,6 @@ class Model:
         # follower_notices_within_lease across a server restart or failover too (off: like
         # the other lease guarantees, it is not claimed across one; see docs/protocol.md)
         self.notice_across_faults = notice_across_faults or scope.notice_across_faults
-        # A fix proposed, not the code's: a follow of a bound flight that begins with its
-        # re-read flagged (a gap before the follow) joins again after that read, as after a
-        # gap while it follows (pc 'gapjoin'): an end it missed is found by that join.
-        self.rejoin_after_read = rejoin_after_read and self.watch
-        # Another (not the code's): a gap wakes the follower of every flight to join again,
-        # not only of the bound ones: a follower of an unbound flight whose place in waiters
-        # a restart or failover lost may learn of a bound takeover from its stream, and
-        # then trust the waiters list as if it had joined.
-        self.gap_joins_all = gap_joins_all and self.watch
         self.mutant = mutant
         self.known = known
 
@@ -201,7 +199,9 @@ class Model:
             proc = Proc(live=t.node_ttl, beat=t.node_renew if self.scope.liveness else 0)
         ghost = Ghost(ever_stored=frozenset({INITIAL}) if self.scope.initial else frozenset())
         procs = (proc,) * n
-        if self.scope.sessions:  # each node's session, epoch pid + 1, renewed just now
+        if self.scope.sessions and not self.scope.established:  # fresh nodes: no session
+            server = server._replace(sessions=((0, 0),) * n)
+        elif self.scope.sessions:  # each node's session, epoch pid + 1, renewed just now
             server = server._replace(sessions=tuple((p + 1, t.lease) for p in range(n)))
             procs = tuple(
                 proc._replace(epoch=p + 1, est=True, sproof=t.lease, sbeat=t.renew)

@@ -120,7 +120,7 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
             gen=from_id,  # job.on_follow
             wait=_sent(m, proc) if m.scope.near else 0,
         )
-        return _flagged(m, _follow_timers(m, proc, *reply[2:3], *reply[5:])), None
+        return _follow_timers(m, proc, *reply[2:3], *reply[5:]), None
     if kind == "claimed":
         _, entry, token, se = reply
         if proc.gen:
@@ -180,7 +180,13 @@ def _join(m: Model, world: World, pid: int, proc: Proc, mode: str, since: int, l
     else:
         proc, _ = _on_join(m, world, pid, proc, reply, why)
         proc, ghost = _start_session(m, proc, reply, ghost)
+        shown += _refused(proc)
     return (f"{label} -> {shown}", _put(world, pid, proc, server, ghost, wake), why)
+
+
+def _refused(proc: Proc) -> str:
+    """A bound answer not watched (``_follow_timers``): shown in the step's label."""
+    return "; not watched (a gap since its join): it joins again" if proc.pc == "gapjoin" else ""
 
 
 def _join_args(m: Model, proc: Proc) -> tuple[int, bool, str, int, int]:
@@ -282,7 +288,7 @@ def _wake(m: Model, world: World, pid: int, proc: Proc) -> tuple[str, World, lis
     else:
         proc = proc._replace(wait=wait)
     shown = f"p{pid} wake: {_entries(news) or 'nothing new'}"
-    if proc.pc == "gapjoin":  # a bound follower after a gap: the re-check's join next
+    if proc.pc == "gapjoin":  # after a gap, or a binding refused: the re-check's join next
         proc = proc._replace(pc="recheck")
         shown += ", then join again (a gap)"
     return shown, _put(world, pid, proc), why
@@ -306,7 +312,7 @@ def do_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         joined = _join(m, world, pid, proc, mode, proc.since, label)
         if joined:
             yield joined[0], (pid, "join"), joined[1], tuple(joined[2])
-    elif pc == "gapjoin":  # after a gap: the stream re-read, then a join (_wake's end)
+    elif pc == "gapjoin":  # woken to join: the news taken (_wake's end), then the join
         label, w, why = _wake(m, world, pid, proc)
         yield label, (pid, "wake"), w, tuple(why)
         if proc.due == 0:  # follower.py checks the deadline before it takes the news
@@ -365,18 +371,20 @@ def _follow_timers(
 ) -> Proc:
     """A follower's re-check timers from a join's follow reply or a peek_flight: the lease
     left + margin; when followers watch sessions (``Model.watch``) and the flight is bound,
-    that is the session's timer, and the flight's own is meta's TTL + margin."""
+    that is the session's timer, and the flight's own is meta's TTL + margin.
+
+    It binds (watches the session) only if its wake channel had no gap since the join it
+    follows was sent (``Proc.gapped``; rechecks.py ``_bind``): else its node may be missing
+    from the flight's waiters list (a restart or failover lost its join) or it may have
+    missed the end (a message lost in the gap, the stream lapsed by its read), and the
+    session's liveness would tell of neither. It is woken to join again instead (pc
+    'gapjoin': its news taken, then the re-check's join, whose answer binds). Mutant
+    ``watch-binds-across-gap``: it binds regardless."""
     if m.watch and se:
+        if proc.gapped and m.mutant != "watch-binds-across-gap":
+            return proc._replace(pc="gapjoin", timer=0, ftimer=0, watch=())
         return proc._replace(timer=left + m.t.margin, ftimer=ttl + m.t.margin, watch=(owner, se))
     return proc._replace(timer=left + m.t.margin, ftimer=0, watch=())
-
-
-def _flagged(m: Model, proc: Proc) -> Proc:
-    """A follow that begins with its re-read flagged: with ``Model.rejoin_after_read`` (a
-    fix proposed, not the code's), a bound follower joins again after that read."""
-    if m.rejoin_after_read and proc.watch and proc.gap:
-        return proc._replace(pc="gapjoin", watch=(), ftimer=0)
-    return proc
 
 
 def _peek(m: Model, world: World, pid: int, proc: Proc) -> Step:
@@ -387,8 +395,8 @@ def _peek(m: Model, world: World, pid: int, proc: Proc) -> Step:
     if left >= 0:
         nxt = _follow_timers(m, proc, left, se, owner, ttl)
         shown = f"claim {proc.gen} holds, lease {left}"
-        if nxt.watch:
-            shown += f" (p{owner}'s session {se}), meta's TTL {ttl}"
+        if nxt.watch or (se and m.watch):
+            shown += f" (p{owner}'s session {se}), meta's TTL {ttl}" + _refused(nxt)
     else:
         nxt = proc._replace(pc="recheck", watch=(), ftimer=0)
         shown = "-1"
@@ -412,8 +420,10 @@ def _peek_session(m: Model, world: World, pid: int, proc: Proc) -> Step:
 
 
 def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
-    """The re-check's join_flight in mode first, with the cursor as position."""
+    """The re-check's join_flight in mode first, with the cursor as position (the gaps it
+    must not have missed count from its send: ``Rechecks.joining``)."""
     why: list[str] = []
+    proc = proc._replace(gapped=False)
     server, reply, wake = scripts.join_flight(
         world.server, pid, "first", proc.cursor, *_join_args(m, proc)
     )
@@ -434,12 +444,12 @@ def _recheck(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
             cursor=max(proc.cursor, from_id),
             wait=_sent(m, proc) if m.scope.near else 0,
         )
-        nxt = _flagged(m, _follow_timers(m, nxt, *reply[2:3], *reply[5:]))
+        nxt = _follow_timers(m, nxt, *reply[2:3], *reply[5:])
     else:
         nxt, _ = _on_join(m, world, pid, proc._replace(since=proc.cursor), reply, why)
         nxt, ghost = _start_session(m, nxt, reply, ghost)
     w = _put(world, pid, nxt, server, ghost, wake)
-    yield f"p{pid} re-check -> {shown}", (pid, "recheck-join"), w, tuple(why)
+    yield f"p{pid} re-check -> {shown}{_refused(nxt)}", (pid, "recheck-join"), w, tuple(why)
 
 
 def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
@@ -681,7 +691,9 @@ def start(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         nxt = _done(m, world, pid, proc, value, why)
         yield f"p{pid} {op}: near cache v{value}", (pid, "start"), _put(world, pid, nxt), tuple(why)
         return
-    fresh = proc._replace(heard=False, mail=(), gap=not proc.sub, gen=0, since=0, cursor=0)
+    fresh = proc._replace(
+        heard=False, mail=(), gap=not proc.sub, gen=0, since=0, cursor=0, gapped=False
+    )
     if op in DO_OPS:  # the call's first read is the join itself; its wait bound starts
         fresh = fresh._replace(due=m.bounds[pid][0], chunks=(), restarted=False)
         joined = _join(m, world, pid, fresh, "always", 0, f"p{pid} {op}: join always")

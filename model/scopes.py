@@ -104,6 +104,18 @@ SMALL += (
         "them), no pause: a follower of a bound flight notices its end within a lease "
         "across the failover too (follower_notices_within_lease)",
     ),
+    Scope(
+        "sessions-restart-notice-2",
+        (("do",), ("do",)),
+        sessions=True,
+        established=False,
+        flights=2,
+        budget=Budget(restart=1),
+        notice_across_faults=True,
+        doc="fresh nodes (a first claim is unbound: its session's create not yet answered) "
+        "through a server restart, no pause: a follower that learns of a bound takeover "
+        "after the restart notices its end within a lease too",
+    ),
 )
 
 LIVENESS = (
@@ -291,6 +303,9 @@ MUTANT_SCOPES = {
     # join after the gap; the lease guarantees are not claimed across a failover elsewhere.
     "watch-ignores-gap": "sessions-failover-notice-2",
     "watch-trusts-stale-epoch": "sessions-unbacked-2",
+    # A follower of an unbound flight whose place in waiters a restart lost learns of a
+    # bound takeover (its stream, then a peek): only a join after the gap puts it back.
+    "watch-binds-across-gap": "sessions-restart-notice-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

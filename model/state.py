@@ -108,6 +108,11 @@ class Proc(NamedTuple):
     # session's timer and ``ftimer`` the flight's own (meta's TTL left + margin, up to B)
     watch: tuple[int, int] | tuple[()] = ()
     ftimer: int = 0
+    # the wake channel had a gap since the join this follower follows was sent (the code's
+    # ``Waiter.mark != WakeHub.gaps``): set when its listener subscribes again during a call,
+    # cleared when the call's waiter is made (before its first join) and at each re-check's
+    # join (``Rechecks.joining``); while set, a bound answer is not watched: it joins again
+    gapped: bool = False
     # -- an invalidate()/set() --
     inv: tuple = ()  # (id, holders, trusted, superseded values, superseded below gen)
 

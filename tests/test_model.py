@@ -110,6 +110,7 @@ CAUGHT_BY = {
     "watch-no-flight-peek": "follower_notices_within_lease",
     "watch-trusts-stale-epoch": "follower_notices_within_lease",
     "watch-ignores-gap": "follower_notices_within_lease",
+    "watch-binds-across-gap": "follower_notices_within_lease",
 }
 
 
