@@ -286,3 +286,31 @@ async def test_a_flagged_read_that_finds_the_stream_gone_peeks_the_flight_itself
     waiter.lost()
     assert await asyncio.wait_for(followed, 4) == "the value"
     assert rechecks.peeks > peeks
+
+
+async def test_the_waiters_list_a_follower_makes_lives_as_long_as_a_bound_flights_meta(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The first follower of a bound flight makes its waiters list: the list gets meta's own
+    TTL (up to the backstop), not the join's lease and linger (1.5 s here), which would lapse
+    before the owner's first renewal of its keys (every half of the 9 s backstop) and take the
+    follower out of the flight's wake-ups; the end 2.5 s later reaches it by its message."""
+    tuning = Tuning(session_backstop_ms=9000, stream_linger_ms=500)
+    owner = make_cache(lease=1.0, near_cache=False, tuning=tuning)
+    follower = make_cache(lease=1.0, near_cache=False, tuning=tuning)
+    call, held = await _claimed_bound(owner, "w", "the value")
+    fk = owner.keyspace.flight("w")
+
+    async def never() -> str:
+        raise AssertionError("the follower must not run the loader")
+
+    followed = asyncio.ensure_future(follower.do("w", never))
+    await wait_until(lambda: follower.stats["follows"] == 1, 10, "the follow")
+    assert await redis_client.pttl(fk.waiters) > 5000
+    await asyncio.sleep(2.5)  # past the join's own 1.5 s, before the owner's renewal at 4.5 s
+    assert await redis_client.exists(fk.waiters)
+    held.release.set()
+    assert await asyncio.wait_for(followed, 1.5) == "the value"  # (its session check: 1 s)
+    assert await call == "the value"
+    rechecks = _rechecks(follower)
+    assert rechecks.peeks == 0 and rechecks.woken == 0  # the message, not a re-check

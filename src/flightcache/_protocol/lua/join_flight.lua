@@ -106,12 +106,16 @@ if alive then
   if not rank then
     rank = redis.call('RPUSH', KEYS[3], ARGV[1]) - 1
   end
-  if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[2]) then
-    redis.call('PEXPIRE', KEYS[3], ARGV[2])  -- (never shorter: a bound flight's is longer)
+  -- The list lives at least as long as meta: a bound flight's own keys are renewed only
+  -- every half of the backstop, and a list this join made (none waited before) must not
+  -- lapse before that, taking the node out of the flight's wake-ups. Never shorter.
+  local own = epoch and redis.call('PTTL', KEYS[2]) or left
+  local ttl = math.max(tonumber(ARGV[2]), own)
+  if redis.call('PTTL', KEYS[3]) < ttl then
+    redis.call('PEXPIRE', KEYS[3], ttl)
   end
   local from = redis.call('HGET', KEYS[2], 'claimEntry') or '0-0'
   local newest = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
-  local own = epoch and redis.call('PTTL', KEYS[2]) or left
   return {2, token, left, rank, from, newest[1] and newest[1][1] or from, epoch or '', node or '',
     own}
 end
