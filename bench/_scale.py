@@ -260,12 +260,13 @@ async def _renewals(
     ctl: aioredis.Redis, owner: Worker, run_id: str, keys: int, window_s: float
 ) -> dict[str, Any]:
     """The owner's renewals alone: ``keys`` flights owned and nothing else running, over
-    ``window_s`` from 0.2 s after the last claim (the loaders outlast it by 3 s)."""
+    ``window_s`` from 0.2 s after the last claim (the loaders outlast it: the claims take a
+    few seconds, and a completion in the window would count as a renewal)."""
     order = {
         "op": "own",
         "prefix": f"renew:{run_id}",
         "keys": keys,
-        "loader_s": window_s + 3.0,
+        "loader_s": window_s + 10.0,
         "spread_s": 0.0,
         "wave": 1_000,
     }
