@@ -43,6 +43,18 @@ async def _bound_flights(fc: Any, keys: list[str]) -> tuple[list[Any], list[Held
     return calls, loaders
 
 
+async def _never() -> str:
+    raise AssertionError("the follower must not run a loader")
+
+
+async def _followed(follower: Any, key: str) -> asyncio.Future[Any]:
+    """``follower``'s call of ``key``, once it follows the flight (its loader never runs)."""
+    follows = follower.stats["follows"]
+    call = asyncio.ensure_future(follower.do(key, _never))
+    await wait_until(lambda: follower.stats["follows"] > follows, 10, "the follow")
+    return call
+
+
 async def _all_bound(redis_client: aioredis.Redis, fc: Any, keys: list[str]) -> None:
     bound = [await redis_client.hget(fc.keyspace.flight(k).meta, "se") for k in keys]
     assert all(bound), f"{bound.count(None)} of {len(keys)} not bound"
@@ -61,10 +73,7 @@ async def test_a_follower_of_many_bound_flights_re_checks_their_session_not_each
     calls, loaders = await _bound_flights(owner, keys)
     await _all_bound(redis_client, owner, keys)
 
-    async def never() -> str:
-        raise AssertionError("the follower must not run a loader")
-
-    followed = [asyncio.ensure_future(follower.do(k, never)) for k in keys]
+    followed = [asyncio.ensure_future(follower.do(k, _never)) for k in keys]
     rechecks = _rechecks(follower)
     await wait_until(lambda: follower.stats["follows"] == 200, 10, "200 follows")
     assert len(rechecks._watches) == 1  # one session watched, for all 200
@@ -244,10 +253,7 @@ async def test_a_follower_whose_join_crossed_a_gap_joins_again_before_it_watches
 
     flights._join = join
 
-    async def never() -> str:
-        raise AssertionError("the follower must not run the loader")
-
-    followed = asyncio.ensure_future(follower.do("x", never))
+    followed = asyncio.ensure_future(follower.do("x", _never))
     rechecks = _rechecks(follower)
     await wait_until(lambda: len(rechecks._watches) == 1, 10, "the session watched")
     assert joins == [2, 2]  # follow, then follow again (FOLLOW = 2) before watching
@@ -270,11 +276,7 @@ async def test_a_flagged_read_that_finds_the_stream_gone_peeks_the_flight_itself
     call, held = await _claimed_bound(owner, "e", "the value")
     fk = owner.keyspace.flight("e")
 
-    async def never() -> str:
-        raise AssertionError("the follower must not run the loader")
-
-    followed = asyncio.ensure_future(follower.do("e", never))
-    await wait_until(lambda: follower.stats["follows"] == 1, 10, "the follow")
+    followed = await _followed(follower, "e")
     rechecks = _rechecks(follower)
     assert len(rechecks._watches) == 1
     await follower._conn.listener.aclose()  # deaf from now on: the end is not heard
@@ -301,11 +303,7 @@ async def test_the_waiters_list_a_follower_makes_lives_as_long_as_a_bound_flight
     call, held = await _claimed_bound(owner, "w", "the value")
     fk = owner.keyspace.flight("w")
 
-    async def never() -> str:
-        raise AssertionError("the follower must not run the loader")
-
-    followed = asyncio.ensure_future(follower.do("w", never))
-    await wait_until(lambda: follower.stats["follows"] == 1, 10, "the follow")
+    followed = await _followed(follower, "w")
     assert await redis_client.pttl(fk.waiters) > 5000
     await asyncio.sleep(2.5)  # past the join's own 1.5 s, before the owner's renewal at 4.5 s
     assert await redis_client.exists(fk.waiters)
