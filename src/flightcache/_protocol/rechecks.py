@@ -33,13 +33,14 @@ import itertools
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._backends.redis import RedisConnection
+from .._backends.scripts import Script
 from .._keys import FlightKeys
-from .pipelined import script_batches, script_calls
+from .pipelined import Call, script_batches, script_calls
 from .state import LUA, State
 from .wakeup import Waiter
 
@@ -389,12 +390,9 @@ class Rechecks:
         cluster = self._conn.cluster is not None
         groups = script_batches(due, lambda entry: entry.fk.meta, cluster, self.PEEK_CALL)
         calls = [([e.fk.meta for e in group], [e.claim for e in group]) for group in groups]
-        replies = await script_calls(self._conn, LUA["peek_flight"], calls)
+        answers = await self._answers(LUA["peek_flight"], groups, calls)
         self.peek_calls += len(calls)
-        out: list[Any] = []
-        for group, reply in zip(groups, replies, strict=True):
-            out += reply if isinstance(reply, list) else [reply] * len(group)
-        return out
+        return answers
 
     async def _send_sessions(self, due: list[Watch]) -> list[Any]:
         """Each session's TTL left while it holds the epoch watched, else -1
@@ -402,9 +400,16 @@ class Rechecks:
         if not due:
             return []
         self.session_peeks += len(due)
-        groups = [due[i : i + self.PEEK_CALL] for i in range(0, len(due), self.PEEK_CALL)]
+        groups = script_batches(due, lambda watch: watch.key, False, self.PEEK_CALL)
         calls = [([w.key for w in group], [w.epoch for w in group]) for group in groups]
-        replies = await script_calls(self._conn, LUA["peek_sessions"], calls)
+        return await self._answers(LUA["peek_sessions"], groups, calls)
+
+    async def _answers(
+        self, lua: Script, groups: Sequence[Sequence[Any]], calls: Sequence[Call]
+    ) -> list[Any]:
+        """One answer per item of ``groups``, in order: its call's, or the error that failed
+        that call (for every item of it); all calls in one round trip."""
+        replies = await script_calls(self._conn, lua, calls)
         out: list[Any] = []
         for group, reply in zip(groups, replies, strict=True):
             out += reply if isinstance(reply, list) else [reply] * len(group)
