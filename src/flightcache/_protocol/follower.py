@@ -35,8 +35,9 @@ class Follower:
     def __init__(self, flights: RedisFlights) -> None:
         self.flights = flights
         margin_s = flights.tuning.block_margin_ms / 1000
-        self.rechecks = Rechecks(flights.conn, margin_s, flights.clock, flights.keyspace.session)
-        flights.hub.gap_hooks.append(self.rechecks.gap)
+        self.rechecks = Rechecks(
+            flights.conn, margin_s, flights.clock, flights.keyspace.session, flights.hub
+        )
 
     async def _read_after(self, fk: FlightKeys, cursor: bytes) -> list[Entry]:
         """The flight's stream after ``cursor``: what a follower missed (one short command

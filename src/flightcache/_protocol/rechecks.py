@@ -42,7 +42,7 @@ from .._backends.scripts import Script
 from .._keys import FlightKeys
 from .pipelined import Call, script_batches, script_calls
 from .state import LUA, State
-from .wakeup import Waiter
+from .wakeup import Waiter, WakeHub
 
 log = logging.getLogger("flightcache.follow")
 
@@ -101,6 +101,7 @@ class Rechecks:
         margin_s: float,
         clock: Callable[[], float],
         session_key: Callable[[str], str],
+        hub: WakeHub,
     ) -> None:
         self._conn = conn
         self._margin_s = margin_s
@@ -108,7 +109,8 @@ class Rechecks:
         self._session_key = session_key  # a node id's session key on this server
         self._heap: list[tuple[float, int, Recheck | Watch]] = []
         self._watches: dict[tuple[str, bytes], Watch] = {}
-        self._gaps = 0  # the wake channel's gaps so far: a peek answered across one is old
+        self._hub = hub  # its gaps: a peek answered across one is old; a bind across one, too
+        hub.gap_hooks.append(self.gap)
         self._stale = 0  # heap items whose flight ended or whose re-check moved earlier
         self._numbers = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
@@ -153,7 +155,7 @@ class Rechecks:
 
     def joining(self, entry: Recheck) -> None:
         """The follower sends a join now: the gaps it must not have missed count from here."""
-        entry.waiter.mark = entry.waiter.hub.gaps
+        entry.waiter.mark = self._hub.gaps
 
     def later(self, entry: Recheck, lease_left_ms: int) -> None:
         """The owner was heard from: the next re-check comes once ``lease_left_ms`` from now
@@ -198,7 +200,6 @@ class Rechecks:
         join: the end would not be published to it), only by a join, which finds the flight
         gone or puts the node back in the list; its session's liveness says nothing of
         either. A peek answered across the gap counts for nothing."""
-        self._gaps += 1
         for watch in list(self._watches.values()):
             for entry in list(watch.flights):
                 self._unbind(entry)
@@ -218,7 +219,7 @@ class Rechecks:
         lost its join) or the follower may have missed the end (a message lost in the gap,
         the stream gone by the time it reads), and a watched session would tell of neither;
         its follower is woken to join again instead (False)."""
-        if entry.waiter.mark != entry.waiter.hub.gaps:
+        if entry.waiter.mark != self._hub.gaps:
             self._unbind(entry)
             self._wake(entry)
             return False
@@ -333,7 +334,7 @@ class Rechecks:
         return flights, watches
 
     async def _peek(self, flights: list[Recheck], watches: list[Watch]) -> None:
-        gaps = self._gaps
+        gaps = self._hub.gaps
         answers = await asyncio.gather(
             self._send(flights), self._send_sessions(watches), return_exceptions=True
         )
@@ -345,7 +346,7 @@ class Rechecks:
                 log.info("lease re-check of %d flights or sessions failed: %s", count, answer)
                 answer = [answer] * count
             replies.append(answer)
-        gapped = gaps != self._gaps  # the answers may be older than the gap: peek again
+        gapped = gaps != self._hub.gaps  # the answers may be older than the gap: peek again
         for watch, reply in zip(watches, replies[1], strict=True):
             watch.peeking = False
             if watch.gone:
