@@ -30,6 +30,7 @@ import redis.connection
 from flightcache import EmbeddedServer, FlightCache
 from flightcache._backends import convoy as convoy_module
 from flightcache._backends.convoy import Convoy
+from flightcache._config import Tuning
 
 from .helpers.flights import wait_for_flight, wait_until
 
@@ -589,10 +590,15 @@ async def _never() -> str:
     raise AssertionError("the owner is alive")
 
 
+OWN_LEASES = Tuning(session_backstop_ms=0)  # no session: every flight renews its own lease
+
+
 @contextlib.asynccontextmanager
-async def _held(url: str, namespace: str, keys: int, lease: float) -> AsyncIterator[_Held]:
-    owner = FlightCache(url, namespace=namespace, lease=lease, near_cache=False)
-    follower = FlightCache(url, namespace=namespace, lease=lease, near_cache=False)
+async def _held(
+    url: str, namespace: str, keys: int, lease: float, tuning: Tuning | None = None
+) -> AsyncIterator[_Held]:
+    owner = FlightCache(url, namespace=namespace, lease=lease, near_cache=False, tuning=tuning)
+    follower = FlightCache(url, namespace=namespace, lease=lease, near_cache=False, tuning=tuning)
     release, all_run = asyncio.Event(), asyncio.Event()
     runs = 0
 
@@ -632,7 +638,9 @@ async def test_following_many_flights_for_many_leases_costs_no_timer_or_wake_up_
     def timers() -> int:
         return sum(not handle.cancelled() for handle in scheduled)
 
-    async with _held(private_server.url, namespace, keys, lease=1.0) as held:
+    # Flights of their own lease (no session, as on a Cluster): a session's flights are
+    # watched through it (test_watch.py), and the burst's would be bound by a renewal.
+    async with _held(private_server.url, namespace, keys, 1.0, OWN_LEASES) as held:
         rechecks = _conn_of_flights(held.follower).follower.rechecks
         timers_before = timers()
         followed = held.follow()
@@ -774,7 +782,7 @@ async def test_the_lease_rechecks_of_one_owners_flights_are_spread_not_in_one_in
     nothing is asked while the owner is known alive) and are spread over the re-check's
     window (a tenth of the lease here) instead of all in one instant."""
     peeked = asyncio.Event()
-    async with _held(private_server.url, namespace, 200, lease=1.0) as held:
+    async with _held(private_server.url, namespace, 200, 1.0, OWN_LEASES) as held:
         peeks: list[float] = []
         rechecks = _conn_of_flights(held.follower).follower.rechecks
         real_send = rechecks._send

@@ -14,11 +14,10 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .._backends.convoy import Bulk, bulk
-from .._backends.lane import SyncLane
+from .._backends.convoy import bulk
 from .._backends.redis import RedisConnection
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._config import Tuning
@@ -33,10 +32,11 @@ from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .._waits import within
 from .context import FlightContext
-from .heartbeat import Lease, Renewer, ThreadRenewer
+from .heartbeat import Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
-from .pipelined import Together, script_batches
+from .pipelined import Together
+from .renewals import Owned, Renewals
 from .session import BoundProof, Session, Sessions
 from .state import LUA, Lost
 
@@ -96,23 +96,28 @@ class Owner:
         # busy loop cannot starve them; a clock given by a test drives them on this loop,
         # and so does a Cluster (redis-py's blocking cluster client did not find the new
         # master after a failover: docs/protocol.md, "Batched renewals").
-        self._lane: SyncLane | None = None
+        self.renewals = Renewals(conn, tuning)
         self.renewer: Renewer | ThreadRenewer
         if clock is time.monotonic and conn.cluster is None:
-            self.renewer = ThreadRenewer(self._renew_on_thread)
+            self.renewer = ThreadRenewer(self.renewals.on_thread)
         else:
-            self.renewer = Renewer(self._renew_batch, clock)
+            self.renewer = Renewer(self.renewals.on_loop, clock)
         self._completes = Together(conn, LUA["complete_flight"])
         self._claims: dict[int, str] = {}  # token -> its claim id, while it is owned here
-        # This node's session on the server, where flights bind to one (one server, the
-        # renewals on their thread: docs/protocol.md, "Sessions"); None: every lease its own.
-        self.sessions: Sessions | None = None
+
+    @property
+    def sessions(self) -> Sessions | None:
+        """This node's session on the server, where flights bind to one (one server, the
+        renewals on their thread: docs/protocol.md, "Sessions"); None: every lease its own."""
+        return self.renewals.sessions
+
+    @sessions.setter
+    def sessions(self, sessions: Sessions | None) -> None:
+        self.renewals.sessions = sessions
 
     async def aclose(self) -> None:
         await self.renewer.aclose()
-        lane, self._lane = self._lane, None
-        if lane is not None:
-            lane.close()
+        self.renewals.close()
 
     async def run(
         self,
@@ -169,106 +174,6 @@ class Owner:
 
     # -- renewals ------------------------------------------------------------------------
 
-    def _renew_calls(
-        self, leases: Sequence[Lease], cluster: bool
-    ) -> Iterator[tuple[list[Lease], tuple[Any, Any]]]:
-        """The ``renew_leases`` calls for ``leases``, each with its leases, made as they are
-        taken: on one server, scripts of up to ``renew_batch`` flights; on a Cluster, one
-        script per slot (a script cannot span slots), which a cluster pipeline sends one
-        round trip per node."""
-        for batch in script_batches(
-            leases, lambda lease: lease.args[0].meta, cluster, self.tuning.renew_batch
-        ):
-            keys: list[Any] = []
-            args: list[Any] = []
-            if cluster:  # (redis-py's cluster pipeline packs them)
-                for lease in batch:
-                    fk, token, lease_ms, stream_ttl, claim = lease.args
-                    keys += (fk.meta, fk.stream, fk.waiters)
-                    args += (token, lease_ms, stream_ttl if lease.take_full() else 0, claim)
-                yield batch, (keys, args)
-                continue
-            # Packed once per lease, not once per renewal: ten thousand leases are ten
-            # thousand renewals a lease/3, and the thread building them holds the GIL.
-            for lease in batch:
-                packed = lease.packed
-                if packed is None:
-                    fk, token, lease_ms, stream_ttl, claim = lease.args
-                    full = bulk(token, lease_ms, stream_ttl, claim)
-                    short = [*full]
-                    short[2] = _ZERO  # a short renewal: the lease only
-                    packed = lease.packed = (bulk(fk.meta, fk.stream, fk.waiters), full, short)
-                keys += packed[0]
-                args += packed[1] if lease.take_full() else packed[2]
-            yield batch, (Bulk(keys), Bulk(args))
-
-    def _renew_on_thread(
-        self, leases: Sequence[Lease], patience: Callable[[], float | None]
-    ) -> list[bool]:
-        """One batch of renewals from the renewer's thread, on its blocking connection (made
-        on first use), waiting only as long as ``patience`` says.
-
-        One script a write, each made just before it is sent: a server reads all of a
-        pipeline that has arrived and runs it before it serves anyone else, so ten thousand
-        renewals written at once kept every other command to that server (the completes of
-        this process and of others) waiting for their ~100 ms; one at a time, a renewal
-        delays another client's command by one script at most. And the thread holds the
-        GIL for one script's packing at a time, not for ten thousand leases'."""
-        lane = self._lane
-        if lane is None:
-            lane = self._lane = self.conn.sync_lane("renew")
-        sessions = [lease for lease in leases if isinstance(lease.args, Session)]
-        if sessions:  # (a session first: its flights' renewals are fenced by it)
-            flights = [lease for lease in leases if not isinstance(lease.args, Session)]
-            held = {id(s): self._renew_session(lane, s.args, patience) for s in sessions}
-            ok = iter(self._renew_on_thread(flights, patience) if flights else ())
-            return [held[id(lease)] if id(lease) in held else next(ok) for lease in leases]
-        answers: list[bool] = []
-        for _, call in self._renew_calls(leases, False):
-            (reply,) = lane.calls(LUA["renew_leases"], (call,), patience)
-            if isinstance(reply, Exception):
-                raise FlightError(f"Redis at {lane.safe_url} refused a renewal: {reply}")
-            answers += map(bool, reply)  # (one server: the batches are the leases' slices)
-        return answers
-
-    @staticmethod
-    def _renew_session(
-        lane: SyncLane, session: Session, patience: Callable[[], float | None]
-    ) -> bool:
-        """Start ``session`` (until its start was answered) or renew it: one command."""
-        start = "0" if session.ready else "1"
-        call = ((session.key,), (session.epoch, int(session.lease_s * 1000), start))
-        (reply,) = lane.calls(LUA["renew_session"], (call,), patience)
-        if isinstance(reply, Exception):
-            raise FlightError(f"Redis at {lane.safe_url} refused a session renewal: {reply}")
-        if int(reply) == 1:
-            session.ready = True
-            return True
-        return False
-
-    async def _renew_batch(self, leases: Sequence[Lease]) -> list[bool]:
-        """Pipelines renewing every lease given, on the reserved lane, one after another,
-        each of up to ``renew_batch`` flights: on one server one script, on a Cluster one
-        script a slot, sent to their nodes at once. A node runs a pipeline that has arrived
-        whole before it serves anyone else (docs/protocol.md, "One script a write")."""
-        chunks: list[list[tuple[list[Lease], Any]]] = [[]]
-        flights = 0
-        for made in self._renew_calls(leases, self.conn.cluster is not None):
-            if flights and flights + len(made[0]) > self.tuning.renew_batch:
-                chunks.append([])
-                flights = 0
-            chunks[-1].append(made)
-            flights += len(made[0])
-        answers: dict[int, bool] = {}
-        for chunk in chunks:
-            replies = await self.conn.pipeline_script(
-                LUA["renew_leases"], [call for _, call in chunk], lane=True
-            )
-            for (batch, _), reply in zip(chunk, replies, strict=True):
-                for lease, ok in zip(batch, reply, strict=True):
-                    answers[id(lease)] = bool(int(ok))
-        return [answers[id(lease)] for lease in leases]
-
     # -- the loader ----------------------------------------------------------------------
 
     async def _run(
@@ -310,25 +215,28 @@ class Owner:
         context = FlightContext(job.key, fk.digest, token, attempt, clock=self.clock)
         work = asyncio.ensure_future(job.run(append, context))
         if session is None:
+            owned = Owned(fk, token, opts.lease_ms, stream_ttl, claim)
             heartbeat = self.renewer.add(
                 work,
                 lease_s=opts.lease_ms / 1000,
                 digest=fk.digest,
                 granted_at=granted_at,
-                args=(fk, token, opts.lease_ms, stream_ttl, claim),
+                args=owned,
                 tied=False,  # every way out of the wait below removes it
                 full_every=short_renewals(opts.lease_ms, stream_ttl),
             )
-            context.track(heartbeat)
+            # (bound to this node's session by a renewal once it is up: renewals.py)
+            context.track(heartbeat if self.sessions is None else BoundProof(heartbeat, owned))
         else:  # its liveness is the session's; its own keys live for the backstop
             assert self.sessions is not None
             backstop_ms = int(self.sessions.backstop_s * 1000)
+            owned = Owned(fk, token, backstop_ms, backstop_ms, claim, session, bound=True)
             heartbeat = self.renewer.add(
                 work,
                 lease_s=self.sessions.backstop_s,
                 digest=fk.digest,
                 granted_at=granted_at,
-                args=(fk, token, backstop_ms, backstop_ms, claim),
+                args=owned,
                 tied=False,
                 # Every half of the backstop, not every third: these renewals keep keys, not
                 # liveness (the session's), and a flight shorter than half of it needs none.
@@ -338,12 +246,12 @@ class Owner:
             # half of its own long interval to go with the session's ticks.
             heartbeat.window_s = min(heartbeat.window_s, session.lease_s / 6)
             session.flights.add(heartbeat)  # (given up with it: Sessions.end)
-            context.track(BoundProof(heartbeat, session))
+            context.track(BoundProof(heartbeat, owned))
 
         def drop() -> None:
             self.renewer.remove(heartbeat)
-            if session is not None:
-                session.flights.discard(heartbeat)
+            if owned.session is not None:  # (bound at its claim, or since)
+                owned.session.flights.discard(heartbeat)
 
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)

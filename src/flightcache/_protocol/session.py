@@ -22,6 +22,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 from .heartbeat import Lease, Renewer, ThreadRenewer
 
@@ -139,6 +140,18 @@ class Sessions:
         session.lease = lease
         self.current = session
 
+    def adopt(self, session: Session, lease: Lease) -> None:
+        """On the loop: a flight a renewal bound to ``session`` after its claim
+        (``renewals.py``) is one of its flights from now on, given up with it; at once if
+        it ended meanwhile (the server may have let it lapse, and the flight with it)."""
+        if lease._work.done():
+            return  # it ended meanwhile (its writes were fenced by the session)
+        if session.ended:
+            lease.give_up("the session lapsed as the flight was bound to it")
+            self._renewer.remove(lease)
+            return
+        session.flights.add(lease)
+
     def end(self, session: Session, reason: str) -> None:
         """The epoch ends for good: its flights are given up (their loaders cancelled) and
         no claim binds to it again."""
@@ -163,20 +176,24 @@ class Sessions:
 
 
 class BoundProof:
-    """A bound flight's proof as its loader sees it: the earlier of its own and its
-    session's."""
+    """An owned flight's proof as its loader sees it where a session may keep it: its own,
+    and while it is bound (or being bound: ``renewals.Owned.session``) the earlier of its
+    own and its session's."""
 
-    __slots__ = ("_lease", "_session")
+    __slots__ = ("_lease", "_owned")
 
-    def __init__(self, lease: Lease, session: Session) -> None:
+    def __init__(self, lease: Lease, owned: Any) -> None:
         self._lease = lease
-        self._session = session
+        self._owned = owned  # (a renewals.Owned: its session, read each time)
 
     @property
     def proven_until(self) -> float:
         own = self._lease.proven_until
-        s = self._session.lease
-        return min(own, s.proven_until) if s is not None and not self._session.ended else 0.0
+        session: Session | None = self._owned.session
+        if session is None:
+            return own
+        s = session.lease
+        return min(own, s.proven_until) if s is not None and not session.ended else 0.0
 
     @property
     def on_give_up(self) -> Callable[[], None] | None:

@@ -14,6 +14,7 @@ LUA = scripts(
     "join_flight",
     "confirm_claim",
     "renew_leases",
+    "bind_leases",
     "renew_session",
     "append_chunks",
     "complete_flight",

@@ -1,0 +1,218 @@
+"""Binding a flight after its claim, on a real server (docs/protocol.md, "Binding a flight
+after its claim"): the claims of a burst sent before the owner's session was up are bound
+to it by their next renewal, and from then on are bound flights in every way: renewed
+with the session, capped by its proof, given up with it, watched through it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from flightcache import FlightContext
+from flightcache._config import Tuning
+from flightcache._protocol.flight import LUA
+
+from .test_sessions import _usable_session
+
+BURST = 200
+LEASE_S = 1.0
+BACKSTOP_MS = 9000
+
+
+class Loaders:
+    """The burst's loaders: each runs until released, and keeps its context; a run called
+    off (its lease lost) is counted."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, asyncio.Event] = {}
+        self.contexts: dict[int, FlightContext] = {}
+        self.release = asyncio.Event()
+        self.called_off = 0
+
+    def __call__(self, i: int) -> Any:
+        started = self.started.setdefault(i, asyncio.Event())
+
+        async def load(ctx: FlightContext) -> str:
+            self.contexts[i] = ctx
+            started.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.called_off += 1
+                raise
+            return f"v{i}:{ctx.attempt}"
+
+        return load
+
+    async def all_started(self, keys: int) -> None:
+        for i in range(keys):
+            self.started.setdefault(i, asyncio.Event())
+        await asyncio.wait_for(
+            asyncio.gather(*(self.started[i].wait() for i in range(keys))), 10
+        )
+
+
+async def _burst(fc: Any, loaders: Loaders) -> list[asyncio.Future[Any]]:
+    """``BURST`` distinct flights started in one turn of a cache with no session yet."""
+    calls = [asyncio.ensure_future(fc.do(f"b{i}", loaders(i))) for i in range(BURST)]
+    await loaders.all_started(BURST)
+    return calls
+
+
+async def _bound_epochs(fc: Any, client: aioredis.Redis) -> list[bytes | None]:
+    return [await client.hget(fc.keyspace.flight(f"b{i}").meta, "se") for i in range(BURST)]
+
+
+async def _all_bound(fc: Any, client: aioredis.Redis) -> list[bytes | None]:
+    """The flights' epochs once every one is bound (bounded: 5 s, five leases)."""
+    for _ in range(50):
+        epochs = await _bound_epochs(fc, client)
+        if all(epochs):
+            return epochs
+        await asyncio.sleep(0.1)  # (test polling: binding is the renewer thread's)
+    raise AssertionError(f"{epochs.count(None)} of {BURST} flights still unbound after 5 s")
+
+
+async def test_the_claims_of_a_burst_sent_before_the_session_was_up_are_bound_by_a_renewal(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    fc = make_cache(
+        lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS)
+    )
+    loaders = Loaders()
+    calls = await _burst(fc, loaders)
+    unbound = (await _bound_epochs(fc, redis_client)).count(None)
+    # The session starts with the burst's 16th owned flight: the claims sent with it are
+    # unbound (they are what this test is about; if none were, it would prove nothing).
+    assert unbound >= 16, unbound
+    epochs = await _all_bound(fc, redis_client)
+    session = await _usable_session(fc)
+    assert set(epochs) == {session.epoch.encode()}
+    renewals = fc._flights.owner.renewals
+    assert renewals.bound_late == unbound
+    # Bound in every way: the keys live for the backstop, each flight is one of the
+    # session's (given up with it), and its loader's proof is capped by the session's.
+    for i in range(BURST):
+        fk = fc.keyspace.flight(f"b{i}")
+        for key in (fk.meta, fk.stream):
+            assert await redis_client.pttl(key) > LEASE_S * 1000 * 2, (i, key)
+    await asyncio.sleep(0.05)  # (the adoptions hop to the loop)
+    assert len(session.flights) == BURST
+    session_left = session.lease.proven_until - fc._flights.owner.clock()
+    assert all(ctx.lease_left <= session_left + 0.05 for ctx in loaders.contexts.values())
+    # From now on a tick renews the session alone: the flights' own keys wait for half of
+    # the backstop (4.5 s), so none of them is renewed in the next 1.5 s.
+    flights = [lease for lease in fc._flights.renewer._leases.values() if lease in session.flights]
+    before = sum(lease.renewals for lease in flights)
+    ticks = session.lease.renewals
+    await asyncio.sleep(1.5)
+    assert sum(lease.renewals for lease in flights) == before
+    assert session.lease.renewals - ticks >= 2
+    loaders.release.set()
+    assert await asyncio.gather(*calls) == [f"v{i}:1" for i in range(BURST)]
+    assert fc.stats["lease_lost"] == 0
+
+
+async def test_a_flight_bound_after_its_claim_is_given_up_with_its_session(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The session's key deleted (an operator, or a server that lost it): the next renewal
+    is refused and the session ends; every flight of the burst, those bound after their
+    claim among them, is given up at once (its loader called off) and claimed again."""
+    fc = make_cache(
+        lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS)
+    )
+    loaders = Loaders()
+    calls = await _burst(fc, loaders)
+    unbound = (await _bound_epochs(fc, redis_client)).count(None)
+    assert unbound >= 16, unbound
+    await _all_bound(fc, redis_client)
+    session = await _usable_session(fc)
+    await redis_client.delete(session.key)
+    # The next tick (lease/3) is refused and the session ends, giving up its flights with
+    # it; bounded at 2.5 s: a flight left out of them would be given up only by its own
+    # keys' renewal, half the backstop (4.5 s) after its bind.
+    for _ in range(25):
+        if loaders.called_off == BURST:
+            break
+        await asyncio.sleep(0.1)
+    assert session.ended
+    assert loaders.called_off == BURST
+    assert fc.stats["lease_lost"] == BURST
+    await loaders.all_started(BURST)  # (claimed again: a second attempt each)
+    loaders.release.set()
+    results = await asyncio.wait_for(asyncio.gather(*calls), 15)
+    assert results == [f"v{i}:2" for i in range(BURST)]
+
+
+async def test_a_follower_of_a_flight_bound_after_its_claim_watches_the_session(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """A follower that joined while the flights were unbound peeks each flight once its
+    lease runs out, learns it is bound, and from then on peeks the session only."""
+    tuning = Tuning(session_backstop_ms=BACKSTOP_MS)
+    owner = make_cache(lease=LEASE_S, near_cache=False, tuning=tuning)
+    loaders = Loaders()
+    calls = await _burst(owner, loaders)
+    unbound = [i for i, e in enumerate(await _bound_epochs(owner, redis_client)) if e is None]
+    assert len(unbound) >= 16, len(unbound)
+
+    async def never() -> str:
+        raise AssertionError("the follower's loader ran")
+
+    follower = make_cache(lease=LEASE_S, near_cache=False, tuning=tuning)
+    follows = [asyncio.ensure_future(follower.do(f"b{i}", never)) for i in unbound]
+    for _ in range(50):  # bounded: 5 s
+        if follower.stats["follows"] == len(unbound):
+            break
+        await asyncio.sleep(0.1)
+    assert follower.stats["follows"] == len(unbound)
+    await _all_bound(owner, redis_client)
+    rechecks = follower._flights.follower.rechecks
+    await asyncio.sleep(3 * LEASE_S)  # each flight peeked once, then the session each lease
+    peeks, sessions = rechecks.peeks, rechecks.session_peeks
+    assert peeks <= len(unbound) * 2, peeks
+    assert sessions >= 1
+    await asyncio.sleep(2 * LEASE_S)
+    assert rechecks.peeks == peeks  # no flight peeked any more: the session is
+    assert rechecks.session_peeks > sessions
+    loaders.release.set()
+    assert await asyncio.gather(*follows) == [f"v{i}:1" for i in unbound]
+    assert await asyncio.gather(*calls) == [f"v{i}:1" for i in range(BURST)]
+
+
+async def test_bind_leases_binds_only_while_the_session_holds_the_epoch_and_the_token_holds(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The script itself: it binds a flight whose token holds to the epoch its owner's
+    session key holds (meta gets ``se``, its keys the backstop); with another epoch there it
+    renews the flight unbound, as ``renew_leases`` would; a token that no longer holds
+    changes nothing."""
+    fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=0))
+    fk = fc.keyspace.flight("s")
+    node = "node-1"
+    session = fc.keyspace.session(node)
+    conn = fc._conn
+    await redis_client.hset(fk.meta, mapping={"ownerToken": "7", "ownerNode": node})
+    await redis_client.pexpire(fk.meta, 1000)
+    await redis_client.xadd(fk.stream, {"t": "claimed"})
+    keys = (fk.meta, fk.stream, fk.waiters)
+
+    def bind(epoch: str, token: int) -> Any:
+        return conn.script(LUA["bind_leases"], fk, keys, (epoch, 9000, token, 1000, 5000, ""))
+
+    await redis_client.set(session, "e2", px=3000)
+    assert await bind("e1", 7) == [1]  # the session moved on: renewed unbound
+    assert await redis_client.hget(fk.meta, "se") is None
+    assert 0 < await redis_client.pttl(fk.meta) <= 1000
+    assert 1000 < await redis_client.pttl(fk.stream) <= 5000
+    assert await bind("e2", 8) == [0]  # not the owner's token
+    assert await redis_client.hget(fk.meta, "se") is None
+    assert await bind("e2", 7) == [2]
+    assert await redis_client.hget(fk.meta, "se") == b"e2"
+    assert 5000 < await redis_client.pttl(fk.meta) <= 9000
+    assert 5000 < await redis_client.pttl(fk.stream) <= 9000
+    await redis_client.set(session, "e3", px=3000)  # bound, and its session lapsed: dead
+    assert await bind("e3", 7) == [0]
