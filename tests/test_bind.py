@@ -49,9 +49,7 @@ class Loaders:
     async def all_started(self, keys: int) -> None:
         for i in range(keys):
             self.started.setdefault(i, asyncio.Event())
-        await asyncio.wait_for(
-            asyncio.gather(*(self.started[i].wait() for i in range(keys))), 10
-        )
+        await asyncio.wait_for(asyncio.gather(*(self.started[i].wait() for i in range(keys))), 10)
 
 
 async def _burst(fc: Any, loaders: Loaders) -> list[asyncio.Future[Any]]:
@@ -78,9 +76,7 @@ async def _all_bound(fc: Any, client: aioredis.Redis) -> list[bytes | None]:
 async def test_the_claims_of_a_burst_sent_before_the_session_was_up_are_bound_by_a_renewal(
     make_cache: Any, redis_client: aioredis.Redis
 ) -> None:
-    fc = make_cache(
-        lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS)
-    )
+    fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS))
     loaders = Loaders()
     calls = await _burst(fc, loaders)
     unbound = (await _bound_epochs(fc, redis_client)).count(None)
@@ -121,9 +117,7 @@ async def test_a_flight_bound_after_its_claim_is_given_up_with_its_session(
     """The session's key deleted (an operator, or a server that lost it): the next renewal
     is refused and the session ends; every flight of the burst, those bound after their
     claim among them, is given up at once (its loader called off) and claimed again."""
-    fc = make_cache(
-        lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS)
-    )
+    fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS))
     loaders = Loaders()
     calls = await _burst(fc, loaders)
     unbound = (await _bound_epochs(fc, redis_client)).count(None)
