@@ -140,7 +140,8 @@ def print_scale(k: dict[str, Any]) -> None:
     quiet = "nothing else running" if w["flights"] == w["keys"] else "CLAIMS STILL RUNNING"
     print(
         f"   renewals: {w['flights']} owned flights, {quiet}, {w['window_s']:.1f} s"
-        f" ({w['right']} right after it, {w['lease_lost']} leases lost in it):"
+        f" ({w['right']} right after it, {w['lease_lost']} leases lost in it,"
+        f" {w.get('bound_late', 0)} bound to the session after their claim):"
         f" {w['evalsha_per_s']:.1f} EVALSHA/s (one script per flight per lease/3: "
         f"{w['one_script_per_flight_per_s']:.0f}/s); owner sends "
         f"{w['owner_client_commands_per_s']:.1f} commands/s (fc.stats)"

@@ -270,6 +270,7 @@ async def _renewals(
         "spread_s": 0.0,
         "wave": 1_000,
     }
+    bound_before = (await owner.ask({"op": "progress"}, 10))["bound_late"]
     claimed = await owner.ask({**order, "timeout": window_s / 2}, window_s)
     await asyncio.sleep(0.2)
     before, stats_before = await _commandstats(ctl), await owner.ask({"op": "progress"}, 10)
@@ -288,6 +289,8 @@ async def _renewals(
         "keys": keys,
         "right": own["right"],
         "lease_lost": stats_after["stats"]["lease_lost"] - stats_before["stats"]["lease_lost"],
+        # claimed before the owner's session was up, bound by a renewal since
+        "bound_late": stats_after["bound_late"] - bound_before,
         "evalsha_per_s": renewals.get("evalsha", 0) / window,
         "one_script_per_flight_per_s": claimed["running"] / (LEASE_S / 3),
         "server_commands_per_s": sum(renewals.values()) / window,

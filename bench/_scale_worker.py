@@ -242,6 +242,14 @@ def _rechecks(fc: FlightCache) -> dict[str, int]:
     }
 
 
+def _bound_late(fc: FlightCache) -> int:
+    """The flights this owner bound to its session after their claim (``renewals.py``)."""
+    parts: Any = fc._parts
+    if parts is None or not parts.redis_flights:
+        return 0
+    return int(parts.redis_flights[0].owner.renewals.bound_late)
+
+
 _batch: list[Batch] = []  # the last own/follow of this process, if any
 
 
@@ -267,10 +275,12 @@ async def follow(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
 
 
 async def progress(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
-    """The counters of ``fc.stats`` since the last own/follow, and its calls that ended."""
+    """The counters of ``fc.stats`` since the last own/follow, its calls that ended, and the
+    flights it bound to its session after their claim (in all)."""
     before = _batch[0].stats_before if _batch else {}
     stats = {k: v - before.get(k, 0) for k, v in fc.stats.items()}
-    return {"stats": stats, "ended": _batch[0].ended if _batch else 0}
+    ended = _batch[0].ended if _batch else 0
+    return {"stats": stats, "ended": ended, "bound_late": _bound_late(fc)}
 
 
 async def results(fc: FlightCache, msg: dict[str, Any]) -> dict[str, Any]:
