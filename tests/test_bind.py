@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from flightcache import FlightContext
 from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
+from flightcache._protocol.session import Session
 
 from .test_sessions import _usable_session
 
@@ -210,3 +211,28 @@ async def test_bind_leases_binds_only_while_the_session_holds_the_epoch_and_the_
     assert 5000 < await redis_client.pttl(fk.stream) <= 9000
     await redis_client.set(session, "e3", px=3000)  # bound, and its session lapsed: dead
     assert await bind("e3", 7) == [0]
+
+
+async def test_a_flight_bound_to_a_session_that_ended_before_the_bind_was_heard_is_given_up(
+    make_cache: Any,
+) -> None:
+    """The bind's answer hops to the loop: if the session ended meanwhile (its flights were
+    given up without this one), the flight is given up then (``Sessions.adopt``), its
+    loader called off, and its caller claims it again."""
+    fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS))
+    loaders = Loaders()
+    call = asyncio.ensure_future(fc.do("b0", loaders(0)))
+    await loaders.all_started(1)
+    sessions = fc._flights.owner.sessions
+    renewer = fc._flights.renewer
+    (lease,) = [x for x in renewer._leases.values() if x.args is not None and not x.alone]
+    ended = Session(sessions.key, LEASE_S, fc._flights.owner.clock)
+    ended.ended = True
+    sessions.adopt(ended, lease)
+    assert lease.lost and loaders.contexts[0].cancelled
+    assert id(lease) not in renewer._leases
+    assert not ended.flights
+    await asyncio.sleep(0.05)
+    assert loaders.called_off == 1
+    loaders.release.set()
+    assert await asyncio.wait_for(call, 10) == "v0:2"  # claimed again: attempt 2
