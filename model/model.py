@@ -36,6 +36,14 @@ MUTANTS = {
         "a session's renewal recreates its key when it is missing (a lapsed epoch comes back)"
     ),
     "fence-ignores-session": "owns checks the token only, not that the flight's session holds",
+    "bind-ignores-epoch": (
+        "bind_leases binds a flight to the epoch sent without checking that its owner's "
+        "session key holds it"
+    ),
+    "bind-not-given-up": (
+        "a flight bound by a renewal (bind_leases) is not given up when its session is "
+        "refused or lapses: its loader runs on"
+    ),
     "join-keeps-dead-meta": (
         "join_flight follows a meta whose session is dead, as if it were live (no DEL)"
     ),

@@ -103,7 +103,7 @@ def _on_join(m: Model, world: World, pid: int, proc: Proc, reply: tuple, why: li
     kind = reply[0]
     t = m.t
     if proc.bound:  # whatever flight it held is over; a claim below sets it again
-        proc = proc._replace(bound=False)
+        proc = proc._replace(bound=False, late=False)
     if kind == "hit":
         _, value, marked = reply
         if m.scope.near:
@@ -486,13 +486,44 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         shown = f"v{value}" if outcome == "ok" else "an error"
         w = _put(world, pid, nxt, ghost=g)
         yield f"p{pid} loader returns {shown}", (pid, "loader"), w, tuple(why)
-    if proc.timer == 0 and not proc.refused:
+    if proc.timer == 0 and not proc.refused and _binds(m, proc):
+        yield _bind(m, world, pid, proc)
+    elif proc.timer == 0 and not proc.refused:
         t = m.t
         ttl, every = (t.backstop, t.backstop_renew) if proc.bound else (t.lease, t.renew)
         server, ok = scripts.renew_leases(world.server, proc.token, _claim(m, proc), ttl, m.mutant)
         nxt = proc._replace(timer=every) if ok else _give_up(m, proc)
         w = _put(world, pid, nxt, server)
         yield f"p{pid} renew -> {'ok' if ok else 'refused'}", (pid, "renew"), w, ()
+
+
+def _binds(m: Model, proc: Proc) -> bool:
+    """Whether the renewal due binds the flight (``Renewals._to_bind``): it is unbound and
+    its node's session usable, its create answered and its proof more than an interval
+    long (``Session.usable``)."""
+    return m.scope.sessions and not proc.bound and proc.est and proc.sproof > m.t.renew
+
+
+def _bind(m: Model, world: World, pid: int, proc: Proc) -> Step:
+    """bind_leases, the renewal due of an unbound flight while its node's session is
+    usable (docs/protocol.md, "Binding a flight after its claim"): 2 bound, the flight a
+    bound one from then on (renewed every B/3, given up with its session); 1 renewed
+    unbound, as renew_leases; 0 given up, as a refused renewal. The loader's proof is
+    capped by the session's from the send: the same as from the answer, in one step."""
+    t = m.t
+    server, code = scripts.bind_leases(
+        world.server, proc.token, _claim(m, proc), proc.epoch, t.lease, t.backstop, m.mutant
+    )
+    if code == 2:
+        late = m.mutant == "bind-not-given-up"
+        nxt = proc._replace(timer=t.backstop_renew, bound=True, late=late)
+    elif code == 1:
+        nxt = proc._replace(timer=t.renew)
+    else:
+        nxt = _give_up(m, proc)
+    shown = {2: "bound", 1: "renewed, unbound", 0: "refused"}[code]
+    label = f"p{pid} bind_leases session {proc.epoch} -> {code} ({shown})"
+    return label, (pid, "renew"), _put(world, pid, nxt, server), ()
 
 
 def _give_up(m: Model, proc: Proc) -> Proc:
@@ -532,9 +563,11 @@ def session_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step
 
 
 def _session_lost(m: Model, proc: Proc) -> Proc:
-    if proc.bound and proc.pc == "run":  # the loader of the flight bound to it is cancelled
+    if proc.late and proc.pc == "run":  # mutant bind-not-given-up: its loader runs on
+        proc = proc._replace(refused=True, timer=0)
+    elif proc.bound and proc.pc == "run":  # the loader of the flight bound to it is cancelled
         proc = _give_up(m, proc)
-    return proc._replace(epoch=0, est=False, sproof=0, sbeat=0, bound=False)
+    return proc._replace(epoch=0, est=False, sproof=0, sbeat=0, bound=False, late=False)
 
 
 def owner_views(world: World) -> tuple[str, ...]:

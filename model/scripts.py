@@ -136,6 +136,28 @@ def renew_leases(
     return server._replace(meta=(server.meta[0]._replace(ttl=lease),)), True
 
 
+def bind_leases(
+    server: Server,
+    token: int,
+    claim: int,
+    epoch: int,
+    lease: int,
+    backstop: int,
+    mutant: str = "",
+) -> tuple[Server, int]:
+    """bind_leases.lua, one flight: 0 when the token no longer holds it (the fence);
+    else, while the owner node's session key holds ``epoch``, bound to it (``se``, meta's
+    TTL the ``backstop``): 2; else renewed unbound (meta's TTL the ``lease``): 1. Mutant
+    bind-ignores-epoch: bound to the epoch sent whatever the key holds."""
+    server, ok = owns(server, token, claim, mutant)
+    if not ok:
+        return server, 0
+    meta = server.meta[0]
+    if server.sessions[meta.owner][0] == epoch or mutant == "bind-ignores-epoch":
+        return server._replace(meta=(meta._replace(se=epoch, ttl=backstop),)), 2
+    return server._replace(meta=(meta._replace(ttl=lease),)), 1
+
+
 def peek_flight(server: Server, claim: int) -> tuple[int, int, int, int]:
     """peek_flight.lua: while meta is live and holds ``claim``, the lease left (the
     session's TTL for a bound flight) and, for a bound flight, its epoch, owner and meta's

@@ -103,6 +103,7 @@ class Proc(NamedTuple):
     sproof: int = 0  # ticks until the session may have lapsed, by its own clock (its proof)
     sbeat: int = 0  # ticks until its session's next renewal
     bound: bool = False  # an owner: its flight is bound to its session's epoch
+    late: bool = False  # mutant bind-not-given-up only: its flight was bound by bind_leases
     # a follower of a bound flight, when followers watch sessions (Model.watch): the owner's
     # (pid, epoch) it watches, () in unbound mode (one timer); ``timer`` is then the
     # session's timer and ``ftimer`` the flight's own (meta's TTL left + margin, up to B)
