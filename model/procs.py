@@ -521,9 +521,15 @@ def _bind(m: Model, world: World, pid: int, proc: Proc) -> Step:
         nxt = proc._replace(timer=t.renew)
     else:
         nxt = _give_up(m, proc)
+    why = []
+    if code and not (server.meta and scripts.live(server, server.meta[0])):
+        why.append(  # checked at the answer, on the server that gave it: across faults too
+            f"owner_view_within_servers: p{pid}'s bind_leases answered {code} (it holds flight "
+            f"{proc.claim}), and left meta not live on the server"
+        )
     shown = {2: "bound", 1: "renewed, unbound", 0: "refused"}[code]
     label = f"p{pid} bind_leases session {proc.epoch} -> {code} ({shown})"
-    return label, (pid, "renew"), _put(world, pid, nxt, server), ()
+    return label, (pid, "renew"), _put(world, pid, nxt, server), tuple(why)
 
 
 def _give_up(m: Model, proc: Proc) -> Proc:
@@ -574,7 +580,9 @@ def owner_views(world: World) -> tuple[str, ...]:
     """owner_view_within_servers: an owner whose loader runs on a bound flight believes it
     holds the flight while its session's proof holds (its loader's ``lease_left``: the
     earlier of the flight's proof and the session's); the server must agree then: meta is
-    live and holds its token (not across a server restart or failover)."""
+    live and holds its token (not across a server restart or failover). Its step form,
+    checked across faults too (``_bind``): a bind that answers the owner holds its flight
+    (1 or 2) leaves meta live on the server that answered."""
     s = world.server
     if world.ghost.server_fault:
         return ()
@@ -626,6 +634,8 @@ def unnoticed(m: Model, world: World) -> list[str]:
 
 def _lost_shown(proc: Proc) -> str:
     held = proc.bound and proc.pc == "run"
+    if held and proc.late:
+        return ": the epoch retired, its flight bound by bind_leases kept running (mutant)"
     return ": its flight given up, the epoch retired" if held else ": the epoch retired"
 
 

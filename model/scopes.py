@@ -306,6 +306,13 @@ MUTANT_SCOPES = {
     # A follower of an unbound flight whose place in waiters a restart lost learns of a
     # bound takeover (its stream, then a peek): only a join after the gap puts it back.
     "watch-binds-across-gap": "sessions-restart-notice-2",
+    # Only a failover to a replica that missed the create of a new epoch leaves a node's
+    # session usable by its own proof while its key does not hold the epoch (a restart
+    # loses the flight too): the bind must renew the flight unbound then, not bind it dead.
+    "bind-ignores-epoch": "sessions-failover-2",
+    # A flight bound by a renewal whose session is refused (the restart lost its key) has
+    # a loader that runs on: the session's refusal is its renewal's.
+    "bind-not-given-up": "sessions-restart-notice-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

@@ -111,6 +111,8 @@ CAUGHT_BY = {
     "watch-trusts-stale-epoch": "follower_notices_within_lease",
     "watch-ignores-gap": "follower_notices_within_lease",
     "watch-binds-across-gap": "follower_notices_within_lease",
+    "bind-ignores-epoch": "owner_view_within_servers",
+    "bind-not-given-up": "stale_owner_stops",
 }
 
 
