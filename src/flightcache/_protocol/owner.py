@@ -17,7 +17,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .._backends.convoy import bulk
 from .._backends.redis import RedisConnection
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._config import Tuning
@@ -43,7 +42,6 @@ from .state import LUA, Lost
 T = TypeVar("T")
 
 log = logging.getLogger("flightcache.claim")
-_ZERO = bulk(0)[0]
 
 
 def short_renewals(lease_ms: int, stream_ttl_ms: int) -> int:
@@ -171,8 +169,6 @@ class Owner:
                 log.info("flight %s: %s failed, retrying: %s", fk.digest, what, exc)
                 await asyncio.sleep(backoff)  # outage backoff
                 backoff = min(backoff * 2, 1.0)
-
-    # -- renewals ------------------------------------------------------------------------
 
     # -- the loader ----------------------------------------------------------------------
 
