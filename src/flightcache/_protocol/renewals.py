@@ -185,7 +185,7 @@ class Renewals:
         backstop_s = self.sessions.backstop_s
         backstop_ms = int(backstop_s * 1000)
         size = self.tuning.renew_batch
-        for batch in (binds[i : i + size] for i in range(0, len(binds), size)):
+        for batch in script_batches(binds, lambda lease: lease.args.fk.meta, False, size):
             keys: list[Any] = []
             args: list[Any] = [session.epoch, backstop_ms]
             for lease in batch:
