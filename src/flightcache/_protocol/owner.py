@@ -35,7 +35,7 @@ from .heartbeat import Renewer, ThreadRenewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together
-from .renewals import Owned, Renewals
+from .renewals import Owned, Renewals, shape_bound
 from .session import BoundProof, Session, Sessions
 from .state import LUA, Lost
 
@@ -225,22 +225,19 @@ class Owner:
             context.track(heartbeat if self.sessions is None else BoundProof(heartbeat, owned))
         else:  # its liveness is the session's; its own keys live for the backstop
             assert self.sessions is not None
-            backstop_ms = int(self.sessions.backstop_s * 1000)
+            backstop_s = self.sessions.backstop_s
+            backstop_ms = int(backstop_s * 1000)
             owned = Owned(fk, token, backstop_ms, backstop_ms, claim, session, bound=True)
             heartbeat = self.renewer.add(
                 work,
-                lease_s=self.sessions.backstop_s,
+                lease_s=backstop_s,
                 digest=fk.digest,
                 granted_at=granted_at,
                 args=owned,
                 tied=False,
-                # Every half of the backstop, not every third: these renewals keep keys, not
-                # liveness (the session's), and a flight shorter than half of it needs none.
-                interval_s=self.sessions.backstop_s / 2,
+                interval_s=backstop_s / 2,  # (first due then: shape_bound says why)
             )
-            # Renewed when due, give or take half a session tick: not brought forward by
-            # half of its own long interval to go with the session's ticks.
-            heartbeat.window_s = min(heartbeat.window_s, session.lease_s / 6)
+            shape_bound(heartbeat, session, backstop_s)
             session.flights.add(heartbeat)  # (given up with it: Sessions.end)
             context.track(BoundProof(heartbeat, owned))
 

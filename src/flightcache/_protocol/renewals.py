@@ -44,6 +44,23 @@ class Owned:
     bound: bool = False  # the server bound it: its renewals keep its keys, not its liveness
 
 
+def shape_bound(lease: Lease, session: Session, backstop_s: float) -> None:
+    """Make ``lease`` a flight's bound to ``session``, at its claim or by a later bind: its
+    liveness is the session's, so its own renewals only keep its keys (meta, stream and
+    waiters) for the backstop, every half of it (a flight shorter than that needs none),
+    each one full; due give or take half a session tick, not brought forward by half of its
+    own long interval to go with the session's ticks."""
+    o: Owned = lease.args
+    o.bound = True
+    o.session = session
+    o.lease_ms = o.stream_ttl = int(backstop_s * 1000)
+    lease.packed = None
+    lease.full_every = lease.since_full = 0
+    lease.lease_s = backstop_s
+    lease.interval_s = backstop_s / 2
+    lease.window_s = min(backstop_s / 4, session.lease_s / 6)
+
+
 class Renewals:
     """The renewal batches of one owner on one server (or Cluster)."""
 
@@ -199,13 +216,7 @@ class Renewals:
             for lease, answer in zip(batch, reply, strict=True):
                 o = lease.args
                 if answer == BOUND:
-                    o.bound = True
-                    o.lease_ms = o.stream_ttl = backstop_ms
-                    lease.packed = None
-                    lease.full_every = lease.since_full = 0
-                    lease.lease_s = backstop_s
-                    lease.interval_s = backstop_s / 2
-                    lease.window_s = min(backstop_s / 4, session.lease_s / 6)
+                    shape_bound(lease, session, backstop_s)
                     self.bound_late += 1
                     loop = lease._work.get_loop()
                     loop.call_soon_threadsafe(self.sessions.adopt, session, lease)
