@@ -5,12 +5,16 @@ and taken over once it does not; a renewal never brings a lapsed session back.""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
+import redis.connection
 
 from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
+from flightcache._protocol.renewals import KEEP_BATCH
 from flightcache._protocol.session import Session
 
 
@@ -221,6 +225,50 @@ async def test_an_owner_of_many_bound_flights_renews_their_liveness_in_one_comma
         h.release.set()
     results = await asyncio.gather(call, *calls)
     assert results == ["v", *(f"v{i}" for i in range(300))]
+    assert fc.stats["lease_lost"] == 0
+
+
+async def test_bound_flights_keys_are_renewed_in_short_scripts(
+    make_cache: Any, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """200 bound flights, lease 1 s, backstop 2 s: their own keys fall due together (every
+    half of the backstop), and the renewals' thread renews them in scripts of at most
+    ``KEEP_BATCH`` flights, not ``renew_batch`` (a script of 200 held the server for ~4 ms,
+    and every wake-up due then waited behind it); each is renewed, none given up. The
+    scripts are read off what the thread writes: ``renew_leases`` with its key count."""
+    sha = LUA["renew_leases"].sha
+    sizes: list[int] = []  # flights in each renew_leases the thread writes
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def spy(self: Any, command: Any, check_health: bool = True) -> None:
+        data = b"".join(command) if isinstance(command, list) else bytes(command)
+        if threading.current_thread().name == "flightcache-renew" and sha in data:
+            # *<n>\r\n$7\r\nEVALSHA\r\n$40\r\n<sha>\r\n$<len>\r\n<numkeys>\r\n
+            numkeys = data.split(sha, 1)[1].split(b"\r\n")[2]
+            sizes.append(int(numkeys) // 3)
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", spy)
+    fc = make_cache(lease=1.0, near_cache=False, tuning=Tuning(session_backstop_ms=2000))
+    call, held = await _claimed_bound(fc, "first", "v")
+    loaders = [Held(f"v{i}") for i in range(200)]
+    calls = [asyncio.ensure_future(fc.do(f"k{i}", h)) for i, h in enumerate(loaders)]
+    await asyncio.wait_for(asyncio.gather(*(h.started.wait() for h in loaders)), 10)
+    metas = [fc.keyspace.flight(f"k{i}").meta for i in range(200)]
+    assert all([await redis_client.hget(m, "se") for m in metas])  # bound at their claims
+    own = [x for x in fc._flights.renewer._leases.values() if not isinstance(x.args, Session)]
+    before = sum(lease.renewals for lease in own)
+    for _ in range(400):  # due 1 s after their claims; bounded at 4 s
+        if sum(lease.renewals for lease in own) - before >= 200:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(lease.renewals for lease in own) - before >= 200, sizes
+    assert sizes and max(sizes) <= KEEP_BATCH < 200, sizes
+    assert sum(sizes) >= 200, sizes
+    for h in (held, *loaders):
+        h.release.set()
+    results = await asyncio.gather(call, *calls)
+    assert results == ["v", *(f"v{i}" for i in range(200))]
     assert fc.stats["lease_lost"] == 0
 
 
