@@ -26,10 +26,11 @@ from .._keys import FlightKeys, KeySpace
 from .._types import CallOptions, FlightInfo, Stats
 from .base import Opening
 from .follower import Follower
-from .heartbeat import Renewer, ThreadRenewer
+from .heartbeat import Renewer
 from .jobs import Job
 from .owner import Owner, Undelivered
 from .pipelined import script_calls
+from .renewer_thread import ThreadRenewer
 from .session import Sessions
 from .state import (
     CLAIMED,

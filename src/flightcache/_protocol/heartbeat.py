@@ -9,25 +9,17 @@ lease cannot be proven for a whole lease) it cancels that loader at once, the "s
 rule that keeps a stale owner from working on. A batch answers per flight, so exactly the
 flights whose token was refused are cancelled.
 
-A :class:`ThreadRenewer` renews on a thread of its own with a blocking connection of its
-own, so a busy event loop (ten thousand calls starting at once) cannot delay the renewals
-past the leases; Kafka's consumers learned the same (KIP-62 moved their heartbeats to a
-thread). A loop that stops running altogether (blocked, deadlocked) must not keep its
-flights forever, so the loop pulses every ``PULSE_S`` while it owns flights, and a lease is
-renewed only while the last pulse is younger than ``STALL_FRACTION`` of it
-(docs/protocol.md, "Lease renewals"). :class:`Renewer` renews on the caller's loop (with a
-clock a test drives).
+:class:`Renewer` renews on the caller's loop (a Cluster's renewals, or a clock a test
+drives); ``renewer_thread.ThreadRenewer`` on a thread of its own (one server). Both keep
+their leases in the :class:`_Book` here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import math
 import operator
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -39,15 +31,10 @@ log = logging.getLogger("flightcache.heartbeat")
 T = TypeVar("T")
 
 RETRY_FRACTION = 1.0  # after a failed batch, retry one interval later (as a lone heartbeat did)
-PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flights
-STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renewals
 # The renewals' thread lets the loop's thread have the GIL this often while it settles a
 # batch (ten thousand leases are milliseconds of Python; the interpreter alone would switch
 # only after its 5 ms interval, a stall every wake-up arriving then waits out).
 BREATHE_EVERY = 1000
-# The thread renews a long batch in slices of this many leases, each proven from its own
-# send, and renews a lease kept alone (a session) between two slices when it fell due.
-SLICE = 1000
 
 
 class Lease:
@@ -330,145 +317,6 @@ class Renewer(_Book):
 
 # A thread's batch: the leases, and how long more to wait for the answer (asked again each
 # time that runs out; None: nobody needs it any more).
-SyncRenewBatch = Callable[[Sequence[Lease], Callable[[], "float | None"]], Sequence[bool]]
-
-
-class ThreadRenewer(_Book):
-    """Renews every registered lease on time, in batches, from a thread of its own (started
-    with the first lease, stopped by :meth:`aclose`), with a blocking ``renew``. A lease is
-    given up (its loader cancelled) on the loader's own loop."""
-
-    def __init__(self, renew: SyncRenewBatch, name: str = "flightcache-renew") -> None:
-        super().__init__(time.monotonic)
-        self._renew = renew
-        self._name = name
-        self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._pulsed = self._clock()
-        self._pulse: asyncio.TimerHandle | None = None
-        # When the thread looks at the leases next, if it sleeps (under the lock): a lease
-        # due before that wakes it; one due later waits for that look (a wake-up per
-        # registration would take the GIL from the loop thousands of times a second).
-        self._wake_at = math.inf
-
-    def _register(self, lease: Lease) -> None:
-        with self._lock:
-            self._leases[id(lease)] = lease
-            if lease.next_due < self._wake_at:
-                self._lock.notify()
-            if self._thread is None:
-                self._closing = False
-                self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
-                self._thread.start()
-        if self._pulse is None:
-            self._beats()
-
-    def remove(self, lease: Lease) -> None:
-        with self._lock:
-            super().remove(lease)
-
-    def _beats(self) -> None:
-        """The caller's loop runs: renewals go on (it says so every ``PULSE_S`` while it owns
-        any flight)."""
-        self._pulsed = self._clock()
-        self._pulse = None
-        if self._leases:
-            self._pulse = asyncio.get_running_loop().call_later(PULSE_S, self._beats)
-
-    def breathe(self) -> None:
-        time.sleep(0)  # the GIL to the loop's thread, if it waits for it
-
-    def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
-        with self._lock:
-            self._leases.pop(id(lease), None)
-        with contextlib.suppress(RuntimeError):  # (its loop closed: nothing runs to stop)
-            lease._work.get_loop().call_soon_threadsafe(lease.give_up, reason)
-
-    async def aclose(self) -> None:
-        if self._pulse is not None:
-            self._pulse.cancel()
-            self._pulse = None
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._closing = True
-            self._lock.notify()
-        if thread is not None:
-            thread.join(5)  # at once, or when the batch on the wire is answered
-
-    def _main(self) -> None:
-        while True:
-            with self._lock:
-                while True:
-                    if self._closing:
-                        return
-                    now = self._clock()
-                    leases = list(self._leases.values())  # (filtered out of the lock)
-                    due = min(map(_NEXT_DUE, leases), default=None)
-                    if due is None:
-                        self._wake_at = math.inf
-                        self._lock.wait()  # no flight owned: until one is
-                    elif due > now:
-                        self._wake_at = due
-                        self._lock.wait(due - now)  # heartbeat interval
-                    else:
-                        self._wake_at = -math.inf  # busy: it looks again before it sleeps
-                        break
-            # A lease removed meanwhile may still be renewed once: harmless (remove()).
-            batch = self._hold_if_stalled(self._due(max(now, due), leases))
-            kept = [lease for lease in leases if lease.alone]  # (a session or two)
-            if kept:
-                self._renew_batch([lease for lease in batch if lease.alone])
-                batch = [lease for lease in batch if not lease.alone]
-            for start in range(0, len(batch), SLICE):
-                if start and kept:  # one kept alone that fell due meanwhile goes first
-                    now = self._clock()
-                    self._renew_batch(
-                        self._hold_if_stalled(
-                            [x for x in kept if x.next_due <= now and id(x) in self._leases]
-                        )
-                    )
-                self._renew_batch(batch[start : start + SLICE])
-
-    def _hold_if_stalled(self, batch: list[Lease]) -> list[Lease]:
-        """The leases of ``batch`` to renew: none whose loader's loop has not run for
-        ``STALL_FRACTION`` of its lease (they lapse, and are given up once their proof runs
-        out: a stopped loop keeps no flight from a takeover)."""
-        stalled = self._clock() - self._pulsed
-        if not batch or stalled <= min(map(_LEASE_S, batch)) * STALL_FRACTION:
-            return batch  # (the loop ran lately: no lease is held, nothing to look at)
-        held = [lease for lease in batch if stalled > lease.lease_s * STALL_FRACTION]
-        if not held:
-            return batch
-        for lease in self._lapse(held, f"the event loop has not run for {stalled:.1f} s"):
-            lease.next_due = self._clock() + PULSE_S  # look again soon
-        return [lease for lease in batch if stalled <= lease.lease_s * STALL_FRACTION]
-
-    def _renew_batch(self, batch: list[Lease]) -> None:
-        if not batch:
-            return
-        self.batches += 1
-        sent = self._clock()
-        waiting = sorted(batch, key=_PROVEN_UNTIL)
-
-        def patience() -> float | None:
-            nonlocal waiting
-            waiting, limit = self._waiting(waiting)
-            return None if self._closing else limit
-
-        try:
-            answers = self._renew(batch, patience)
-        except FlightError as exc:
-            self._failed(waiting, exc)
-            return
-        except Exception as exc:  # abandoned (nobody waits), or a bug: not this thread's end
-            if waiting and not self._closing:
-                log.warning("lease renewal failed: %r", exc)
-                self._failed(waiting, FlightError(repr(exc)))
-            return
-        self._settle(batch, answers, sent)
-
-
 class Heartbeat:
     """One lease renewed alone by ``renew`` (a renewer of its own): for tests and for a
     backend without batching. ``lost`` and ``reason`` as for :class:`Lease`."""

@@ -31,11 +31,12 @@ from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .._waits import within
 from .context import FlightContext
-from .heartbeat import Renewer, ThreadRenewer
+from .heartbeat import Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together
 from .renewals import Owned, Renewals, shape_bound
+from .renewer_thread import ThreadRenewer
 from .session import BoundProof, Session, Sessions
 from .state import LUA, Lost
 

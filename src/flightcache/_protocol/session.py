@@ -24,7 +24,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from .heartbeat import Lease, Renewer, ThreadRenewer
+from .heartbeat import Lease, Renewer
+from .renewer_thread import ThreadRenewer
 
 log = logging.getLogger("flightcache.claim")
 
