@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
@@ -26,6 +27,16 @@ def error_ttl_ms(exc: BaseException, opts: CallOptions) -> int:
 MAX_ERROR_TTL_S = 86400.0
 
 
+def _ended(
+    waiter: asyncio.Future[None], on_cancel: Callable[[], None] | None, t: asyncio.Future[bytes]
+) -> None:
+    """``wait_bounded``'s one callback for all the task's end does (a partial, not a
+    closure: fewer objects a flight for the collector to walk)."""
+    if on_cancel is not None and t.cancelled():
+        on_cancel()
+    _release(waiter)
+
+
 async def wait_bounded(
     task: asyncio.Future[bytes],
     timeout_s: float,
@@ -41,13 +52,7 @@ async def wait_bounded(
     """
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[None] = loop.create_future()
-
-    def ended(t: asyncio.Future[bytes]) -> None:  # one callback for all the task's end does
-        if on_cancel is not None and t.cancelled():
-            on_cancel()
-        _release(waiter)
-
-    task.add_done_callback(ended)
+    task.add_done_callback(functools.partial(_ended, waiter, on_cancel))
     timer = loop.call_later(timeout_s, _release, waiter)
     try:
         await waiter

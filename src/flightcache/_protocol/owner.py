@@ -31,7 +31,7 @@ from .._keys import FlightKeys
 from .._types import CallOptions, Stats
 from .._waits import within
 from .context import FlightContext
-from .heartbeat import Renewer
+from .heartbeat import Lease, Renewer
 from .jobs import Job
 from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
 from .pipelined import Together
@@ -62,6 +62,42 @@ class Undelivered(BackendUnavailable):
     def __init__(self, message: str, result: bytes, *, key: str | None = None) -> None:
         super().__init__(message, key=key)
         self.result = result
+
+
+class _Appender:
+    """A stream loader's ``append``: its chunks written after the ones before, fenced by the
+    token, retried through a failover. One object a flight, where a closure over the
+    flight's names was nine (its cells and their tuple), made for every flight, streamed or
+    not, and walked by every full collection while the flight runs."""
+
+    __slots__ = ("claim", "fk", "owner", "token", "written")
+
+    def __init__(self, owner: Owner, fk: FlightKeys, token: int, claim: str) -> None:
+        self.owner = owner
+        self.fk = fk
+        self.token = token
+        self.claim = claim
+        self.written = 0  # the chunks appended so far
+
+    async def __call__(self, first_seq: int, batch: Sequence[bytes]) -> None:
+        owner, fk = self.owner, self.fk
+        prefix, limit = owner._wake
+
+        def send() -> Awaitable[Any]:
+            return owner.conn.script(
+                LUA["append_chunks"],
+                fk,
+                (fk.meta, fk.stream, fk.waiters),
+                (self.token, first_seq, prefix, fk.digest, limit, self.claim, *batch),
+            )
+
+        try:
+            written = await owner._write(fk, "appending chunks", send)
+        except FlightError as exc:
+            raise _ServerFailed(exc) from exc
+        if int(written) != 1:
+            owner._fenced(fk, self.token)
+        self.written = first_seq + len(batch)
 
 
 class _ServerFailed(Exception):
@@ -186,26 +222,8 @@ class Owner:
         self.stats.loader_runs += 1
         ran_from = self.clock()
         stream_ttl = opts.lease_ms + self.tuning.stream_linger_ms
-        chunks = [0]
         claim = self._claims.get(token, "")
-        prefix, limit = self._wake
-
-        async def append(first_seq: int, batch: Sequence[bytes]) -> None:
-            def send() -> Awaitable[Any]:
-                return self.conn.script(
-                    LUA["append_chunks"],
-                    fk,
-                    (fk.meta, fk.stream, fk.waiters),
-                    (token, first_seq, prefix, fk.digest, limit, claim, *batch),
-                )
-
-            try:
-                written = await self._write(fk, "appending chunks", send)
-            except FlightError as exc:
-                raise _ServerFailed(exc) from exc
-            if int(written) != 1:
-                self._fenced(fk, token)
-            chunks[0] = first_seq + len(batch)
+        append = _Appender(self, fk, token, claim)
 
         # The loader's view of its run: the token, and the lease the renewer last proved
         # (it starts running only after the lease is tracked: the next turn of the loop).
@@ -242,15 +260,10 @@ class Owner:
             session.flights.add(heartbeat)  # (given up with it: Sessions.end)
             context.track(BoundProof(heartbeat, owned))
 
-        def drop() -> None:
-            self.renewer.remove(heartbeat)
-            if owned.session is not None:  # (bound at its claim, or since)
-                owned.session.flights.discard(heartbeat)
-
         try:
             encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
         except WorkCancelled:
-            drop()
+            self._drop(heartbeat, owned)
             if heartbeat.lost:
                 self.stats.lease_lost += 1
                 raise Lost() from None
@@ -258,41 +271,47 @@ class Owner:
             await self._publish_error(fk, token, error, ttl_ms=0)
             raise error from None
         except asyncio.CancelledError:
-            drop()
+            self._drop(heartbeat, owned)
             await self.give_back(fk, token)  # we are being closed: let a follower claim now
             raise
         except Lost:
-            drop()  # a fenced append: another owner holds the flight
+            self._drop(heartbeat, owned)  # a fenced append: another owner holds the flight
             raise
         except _ServerFailed as failed:
             # The server, not the producer, failed: nothing is published as an error, and
             # the flight is given back (if the server takes even that) for another try.
-            drop()
+            self._drop(heartbeat, owned)
             await self.give_back(fk, token)
             raise failed.cause from None
         except FlightTimeout as exc:
-            drop()
+            self._drop(heartbeat, owned)
             self.stats.timeouts += 1
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except (ValueTooLarge, SerializationError) as exc:
-            drop()
+            self._drop(heartbeat, owned)
             await self._publish_error(fk, token, exc, ttl_ms=0)
             raise
         except Exception as exc:
-            drop()
+            self._drop(heartbeat, owned)
             self.stats.loader_errors += 1
             ttl_ms = error_ttl_ms(exc, opts) if opts.store else 0  # store=False keeps nothing
             await self._publish_error(fk, token, exc, ttl_ms=ttl_ms)
             raise
         except BaseException:
-            drop()
+            self._drop(heartbeat, owned)
             raise
-        drop()
+        self._drop(heartbeat, owned)
         if heartbeat.lost:  # the loader finished as the lease was found lost
             self.stats.lease_lost += 1
             raise Lost()
-        return await self._complete(fk, job, opts, token, encoded, ran_from, chunks[0])
+        return await self._complete(fk, job, opts, token, encoded, ran_from, append.written)
+
+    def _drop(self, heartbeat: Lease, owned: Owned) -> None:
+        """The loader ended, one way or another: its lease needs no more renewals."""
+        self.renewer.remove(heartbeat)
+        if owned.session is not None:  # (bound at its claim, or since)
+            owned.session.flights.discard(heartbeat)
 
     async def _complete(
         self,
