@@ -17,7 +17,7 @@ import threading
 import time
 import types
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -595,8 +595,14 @@ OWN_LEASES = Tuning(session_backstop_ms=0)  # no session: every flight renews it
 
 @contextlib.asynccontextmanager
 async def _held(
-    url: str, namespace: str, keys: int, lease: float, tuning: Tuning | None = None
+    url: str,
+    namespace: str,
+    keys: int,
+    lease: float,
+    tuning: Tuning | None = None,
+    before: Callable[[FlightCache], Awaitable[None]] | None = None,
 ) -> AsyncIterator[_Held]:
+    """``before``: told the owner once both caches are up, before its flights start."""
     owner = FlightCache(url, namespace=namespace, lease=lease, near_cache=False, tuning=tuning)
     follower = FlightCache(url, namespace=namespace, lease=lease, near_cache=False, tuning=tuning)
     release, all_run = asyncio.Event(), asyncio.Event()
@@ -613,6 +619,8 @@ async def _held(
     try:
         await owner.get("warm-up")
         await follower.get("warm-up")
+        if before is not None:
+            await before(owner)
         owned = [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
         await asyncio.wait_for(all_run.wait(), 10)
         yield _Held(owner, follower, release, owned)
@@ -708,46 +716,27 @@ async def test_a_flight_in_flight_holds_few_objects_for_the_collector_to_walk(
         gc.collect()
         return {id(o) for o in gc.get_objects()}
 
-    owner = FlightCache(private_server.url, namespace=namespace, lease=3.0, near_cache=False)
-    follower = FlightCache(private_server.url, namespace=namespace, lease=3.0, near_cache=False)
-    release, all_run = asyncio.Event(), asyncio.Event()
-    runs = 0
+    before: set[int] = set()
 
-    async def load() -> str:
-        nonlocal runs
-        runs += 1
-        if runs == keys:
-            all_run.set()
-        await release.wait()
-        return "v"
-
-    owned: list[asyncio.Future[str]] = []
-    followed: list[asyncio.Future[str]] = []
-    try:
-        await owner.get("warm-up")
-        await follower.get("warm-up")
-
+    async def baseline(owner: FlightCache) -> None:
         async def warm() -> str:
             return "w"
 
         await owner.do("warm-up-flight", warm)  # (the session and the lanes are up)
-        before = tracked()
-        owned += [asyncio.ensure_future(owner.do(f"k{i}", load)) for i in range(keys)]
-        await asyncio.wait_for(all_run.wait(), 10)
+        before.update(tracked())
+
+    async with _held(private_server.url, namespace, keys, lease=3.0, before=baseline) as held:
         await asyncio.sleep(0.5)  # (the claims' replies settled)
         owning = tracked()
-        followed += [asyncio.ensure_future(follower.do(f"k{i}", _never)) for i in range(keys)]
-        await wait_until(lambda: follower.stats["follows"] >= keys, 5.0, "every flight joined")
+        followed = held.follow()
+        await wait_until(
+            lambda: held.follower.stats["follows"] >= keys, 5.0, "every flight to be joined"
+        )
         await asyncio.sleep(0.5)
         following = tracked()
-        per_owned = len(owning - before) / keys
-        per_followed = len(following - owning) / keys
-        release.set()
-        assert await asyncio.gather(*owned, *followed) == ["v"] * (2 * keys)
-    finally:
-        release.set()
-        await owner.aclose()
-        await follower.aclose()
+        await held.end(followed)
+    per_owned = len(owning - before) / keys
+    per_followed = len(following - owning) / keys
     assert per_owned <= 75, per_owned
     assert per_followed <= 48, per_followed
 
