@@ -315,8 +315,6 @@ class Renewer(_Book):
         self._settle(batch, answers, sent)
 
 
-# A thread's batch: the leases, and how long more to wait for the answer (asked again each
-# time that runs out; None: nobody needs it any more).
 class Heartbeat:
     """One lease renewed alone by ``renew`` (a renewer of its own): for tests and for a
     backend without batching. ``lost`` and ``reason`` as for :class:`Lease`."""

@@ -82,13 +82,13 @@ class Renewals:
             lane.close()
 
     def _calls(
-        self, leases: Sequence[Lease], cluster: bool, size: int = 0
+        self, leases: Sequence[Lease], cluster: bool, size: int | None = None
     ) -> Iterator[tuple[list[Lease], tuple[Any, Any]]]:
         """The ``renew_leases`` calls for ``leases``, each with its leases, made as they are
         taken: on one server, scripts of up to ``size`` flights (``renew_batch``); on a
         Cluster, one script per slot (a script cannot span slots), which a cluster pipeline
         sends one round trip per node."""
-        size = size or self.tuning.renew_batch
+        size = self.tuning.renew_batch if size is None else size
         for batch in script_batches(leases, lambda lease: lease.args.fk.meta, cluster, size):
             keys: list[Any] = []
             args: list[Any] = []

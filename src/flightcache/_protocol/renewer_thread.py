@@ -30,6 +30,8 @@ STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renew
 SLICE = 1000
 
 
+# A thread's batch: the leases, and how long more to wait for the answer (asked again each
+# time that runs out; None: nobody needs it any more).
 SyncRenewBatch = Callable[[Sequence[Lease], Callable[[], "float | None"]], Sequence[bool]]
 
 
