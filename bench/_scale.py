@@ -11,6 +11,10 @@ in flight at once (docs/protocol.md, "Waiting, claiming and renewing at scale").
   same processes and run: ``single_rounds`` rounds of one key each. Three times: the ends
   spread over ``spread_s``; over ``loader_s`` (``keys / loader_s`` ends a second: what
   ``keys`` flights in flight sustain, the steady state); each wave's ends in one instant.
+  Each spread has its floor measured right after it: ``single_rounds`` single events and
+  ``keys`` events over the same spread done with plain redis-py (``SET`` + ``PUBLISH``, one
+  pub/sub reader) by the same processes; the ratio of those two is what the machine alone
+  does to the tail at that rate.
 - Renewals: a phase of its own, the owner's ``keys`` loaders all running and nothing else
   happening, ``INFO commandstats`` over ``window_s`` (16 s: a whole cycle of a bound flight's
   own renewals, every half of the 30 s backstop, and sixteen session ticks): the owner's
@@ -301,19 +305,31 @@ async def _renewals(
     }
 
 
-async def _plain_together(
-    owner: Worker, follower: Worker, run_id: str, keys: int, rounds: int
+async def _plain(
+    owner: Worker,
+    follower: Worker,
+    channel: str,
+    keys: int,
+    rounds: int,
+    spread_s: float = 0.0,
+    delay_s: float = 0.3,
 ) -> dict[str, Any]:
-    """The ending-together wave done with plain redis-py by the same two processes
-    (``bench._scale_plain``): ``keys`` events in one instant, ``rounds`` times. The
-    follower's wake-up minus the key's end, and the owner's own return minus it (ms)."""
+    """``keys`` events done with plain redis-py by the same two processes
+    (``bench._scale_plain``), ending in one instant or spread over ``spread_s``, ``rounds``
+    times. The follower's wake-up minus the key's end, and the owner's own return minus it
+    (ms)."""
     lags: list[float] = []
     own_lags: list[float] = []
     for r in range(rounds):
-        channel = f"bench-plain:{run_id}:{r}"
-        await follower.ask({"op": "plain_follow", "channel": channel, "keys": keys}, 10)
-        order = {"channel": channel, "prefix": f"plain:{run_id}", "keys": keys, "delay_s": 0.3}
-        done = await owner.ask({"op": "plain_own", **order}, 30)
+        await follower.ask({"op": "plain_follow", "channel": f"{channel}:{r}", "keys": keys}, 10)
+        order = {
+            "channel": f"{channel}:{r}",
+            "prefix": channel,
+            "keys": keys,
+            "delay_s": delay_s,
+            "spread_s": spread_s,
+        }
+        done = await owner.ask({"op": "plain_own", **order}, 30 + spread_s)
         woken = (await follower.ask({"op": "plain_results", "timeout": 10}, 20))["woken"]
         for end, ret, wake in zip(done["ends"], done["returns"], woken, strict=True):
             own_lags.append((ret - end) * 1000)
@@ -322,9 +338,28 @@ async def _plain_together(
     return {
         "keys": keys,
         "rounds": rounds,
+        "spread_s": spread_s,
         "woken": len(lags),
         "wake_lag_ms": summary(lags),
         "owner_return_lag_ms": summary(own_lags),
+    }
+
+
+async def _plain_spread(
+    owner: Worker, follower: Worker, run_id: str, keys: int, spread_s: float, rounds: int
+) -> dict[str, Any]:
+    """The floor of a spread phase: ``rounds`` single events, then ``keys`` events spread
+    over ``spread_s``, both with plain redis-py in the same processes, next to each other:
+    how far the machine alone (three processes busy on its cores) takes the spread's wake
+    lag from one event's."""
+    tag = f"bench-plain:{run_id}:{spread_s:g}"
+    one = await _plain(owner, follower, f"{tag}:one", 1, rounds, delay_s=0.05)
+    spread = await _plain(owner, follower, f"{tag}:many", keys, 1, spread_s, delay_s=1.0)
+    lag, one_lag = spread["wake_lag_ms"], one["wake_lag_ms"]
+    return {
+        "one": one,
+        "spread": spread,
+        "ratio": {q: lag[q] / one_lag[q] for q in ("p50", "p99")},
     }
 
 
@@ -382,8 +417,9 @@ async def run_flights(
         async with _orders.started(2, url, *args, module="bench._scale_worker") as workers:
             owner, follower = workers
             single = await _single_key(ctl, owner, follower, run_id, single_rounds)
-            many, steady, together = [
-                await _many_keys(
+            phases = []
+            for spread in (spread_s, loader_s, 0.0):
+                phase = await _many_keys(
                     ctl,
                     owner,
                     follower,
@@ -394,9 +430,13 @@ async def run_flights(
                     wave=wave,
                     spread_s=spread,
                 )
-                for spread in (spread_s, loader_s, 0.0)
-            ]
-            plain = await _plain_together(owner, follower, run_id, wave, rounds=3)
+                if spread:  # its floor, right after it
+                    phase["plain"] = await _plain_spread(
+                        owner, follower, run_id, keys, spread, single_rounds
+                    )
+                phases.append(phase)
+            many, steady, together = phases
+            plain = await _plain(owner, follower, f"bench-plain:{run_id}", wave, rounds=3)
             renewals = await _renewals(ctl, owner, run_id, keys, window_s)
     finally:
         await ctl.aclose()
@@ -404,6 +444,9 @@ async def run_flights(
     base, first = single["wake_lag_ms"], single["first_rounds_wake_lag_ms"]
     for phase in (many, steady, together):
         phase["wake_lag_ratio"] = {q: phase["wake_lag_ms"][q] / base[q] for q in ("p50", "p99")}
+        if "plain" in phase:  # (the spread phases) x plain redis-py's same spread
+            floor = phase["plain"]["spread"]["wake_lag_ms"]
+            phase["plain_ratio"] = {q: phase["wake_lag_ms"][q] / floor[q] for q in ("p50", "p99")}
         phase["wake_lag_ratio_first_rounds"] = {
             q: phase["wake_lag_ms"][q] / first[q] for q in ("p50", "p99")
         }

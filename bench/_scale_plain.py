@@ -1,18 +1,21 @@
-"""The baseline of the ending-together figure: the same wave of events with plain redis-py.
+"""The plain redis-py baselines of the many-keys figures: the same events without flightcache.
 
 When a wave of 1,000 flights ends in one instant, the owner completes 1,000 flights and the
 follower wakes 1,000 callers at once; the wake lag of the last is what one process spends on
-a thousand events. These orders (served by ``bench._scale_worker``, in the same two
-processes, between the phases) do the least such a wave needs with redis-py alone:
+a thousand events. When ten thousand end spread over seconds, the tail of the wake lag is
+what the machine does to three busy processes sharing its cores. These orders (served by
+``bench._scale_worker``, in the same two processes, between the phases) do the least such
+events need with redis-py alone:
 
 - ``{"op": "plain_follow", "channel", "keys"}``: subscribe to ``channel`` (one pub/sub
   connection) and start ``keys`` tasks, each waiting on a future of its own; one reader task
   hands each message (the key's number) to its future. Answers once subscribed.
-- ``{"op": "plain_own", "channel", "prefix", "keys", "delay_s"}``: ``keys`` tasks sleep to
-  one instant ``delay_s`` from now (their timers end in the same turn of the loop), then
-  each notes its end and sends ``SET`` of its key and ``PUBLISH`` of its number in one
-  pipeline (a pool of 64 connections: a bounded pool, as flightcache keeps). Answers every
-  key's end and its own return.
+- ``{"op": "plain_own", "channel", "prefix", "keys", "delay_s", "spread_s"}``: ``keys``
+  tasks sleep to one instant ``delay_s`` from now (their timers end in the same turn of the
+  loop; with ``spread_s``, key ``i`` at its share of it, mixed as the many-keys phase mixes
+  its ends), then each notes its end and sends ``SET`` of its key and ``PUBLISH`` of its
+  number in one pipeline (a pool of 64 connections: a bounded pool, as flightcache keeps).
+  Answers every key's end and its own return.
 - ``{"op": "plain_results", "timeout"}``: each key's wake-up time in the follower (None if
   it never came within ``timeout``).
 """
@@ -28,6 +31,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 POOL = 64
+SPREAD_STEP = 7919  # as the many-keys phase's: key i ends at its share of the spread
 
 _waits: list[Any] = []  # the last plain_follow's (client, pubsub, reader, tasks, woken)
 
@@ -66,9 +70,10 @@ async def plain_own(_fc: Any, msg: dict[str, Any]) -> dict[str, Any]:
     try:
         await client.ping()
         at = time.monotonic() + float(msg["delay_s"])
+        spread_s = float(msg.get("spread_s", 0.0))
 
         async def one(i: int) -> tuple[float, float]:
-            await asyncio.sleep(at - time.monotonic())
+            await asyncio.sleep(at + spread_s * (i * SPREAD_STEP % keys) / keys - time.monotonic())
             end = time.monotonic()
             async with client.pipeline(transaction=False) as pipe:
                 pipe.set(f"{prefix}:{i}", b"x" * 32, ex=60)
