@@ -45,6 +45,7 @@ from .state import (
     State,
     state_of,
 )
+from .tokens import Tokens
 from .wakeup import WakeHub
 
 __all__ = ["LUA", "RedisFlights", "Undelivered"]
@@ -94,8 +95,7 @@ class RedisFlights:
             )
         conn.preload(LUA.values())
         self._wake = (keyspace.wake_prefix, self.tuning.inline_max_bytes)
-        # confirm_claim, sent beside loaders, by token (kept here until it is answered)
-        self._confirming: dict[int, asyncio.Task[Any]] = {}
+        self.tokens = Tokens(conn, self.seq_conn, keyspace)  # where the join takes none
         self._claim_prefix = secrets.token_hex(8) + "-"  # 64 random bits a cache, then a counter
         self._claims = 0
         self._static: dict[tuple[int, float], tuple[bytes, ...]] = {}  # join args by opts
@@ -335,7 +335,7 @@ class RedisFlights:
                     confirmed: tuple[int, float] = (state.token, granted)
                     claim = ""
                 else:  # owner-seq is in another slot: the token, then the loader at once
-                    confirmed, claim = await self._take_token(fk, opts, state), state.claim_id
+                    confirmed, claim = await self.tokens.take(fk, opts, state), state.claim_id
                 if takeover:
                     self.stats.takeovers += 1
                 try:
@@ -479,41 +479,7 @@ class RedisFlights:
             )
         return static
 
-    async def _take_token(
-        self, fk: FlightKeys, opts: CallOptions, state: State
-    ) -> tuple[int, float]:
-        """A fencing token for a claim the join made without one (INCR owner-seq, in another
-        slot): the token, and when the lease began (the join's send time, or earlier for a
-        claim found again). The loader starts at once: the claim is confirmed by
-        ``confirm_claim``, sent beside it, or by the owner's first fenced write, which
-        carries the claim id (``_fence.lua``), whichever the server sees first; if the
-        claim lapsed meanwhile, both are refused and the owner loses the flight."""
-        seq = self.seq_conn
-        counter = int(await seq.run(lambda: seq.client.incr(self.keyspace.owner_seq)))
-        # The counter orders tokens; 20 random low bits keep them unique even if the counter
-        # went backwards (a failover can lose recent INCRs: Redis replicates asynchronously).
-        token = (counter << TOKEN_RANDOM_BITS) | secrets.randbits(TOKEN_RANDOM_BITS)
-        granted = state.sent + state.lease_left_ms / 1000 - opts.lease_ms / 1000
-        confirm = self.conn.script(
-            LUA["confirm_claim"], fk, (fk.meta,), (state.claim_id, token, opts.lease_ms)
-        )
-        task = asyncio.ensure_future(confirm)
-        self._confirming[token] = task
-        task.add_done_callback(lambda t: self._confirmed(t, token))
-        log_claim.debug("flight %s: owner with token %d", fk.digest, token)
-        return token, granted
-
     async def confirmed(self, token: int) -> None:
-        """Once the ``confirm_claim`` of ``token``'s claim, if one is on its way, is
-        answered: a write fenced by the token alone (``set(if_token=)``) then finds the
-        token in meta if the claim still holds. Its failure is not this caller's: the write
-        is refused by its own check then."""
-        task = self._confirming.get(token)
-        if task is not None:
-            await asyncio.wait([task])  # (shielded: the confirmation is not ours to cancel)
-
-    def _confirmed(self, task: asyncio.Task[Any], token: int) -> None:
-        self._confirming.pop(token, None)
-        if not task.cancelled() and task.exception() is not None:
-            # The owner's fenced writes confirm the claim themselves (or are refused).
-            log_claim.info("confirm_claim failed: %r", task.exception())
+        """Once the ``confirm_claim`` of ``token``'s claim, if one is on its way, is answered
+        (``Tokens.confirmed``)."""
+        await self.tokens.confirmed(token)
