@@ -251,8 +251,8 @@ def _lag_rows(
 
 def _floor(phase: dict[str, Any]) -> None:
     """A spread phase's floor: the same spread with plain redis-py, and one plain event."""
-    fl = phase.get("plain")
-    if fl is None or "spread" not in fl:  # (the ending-together wave's is another shape)
+    fl = phase.get("floor")
+    if fl is None:
         return
     print(
         f"     floor, the same processes with plain redis-py (SET+PUBLISH, one pub/sub reader): "
@@ -261,7 +261,7 @@ def _floor(phase: dict[str, Any]) -> None:
     )
     print(_row("  plain: wake-up - end, the spread", fl["spread"]["wake_lag_ms"]))
     print(_row("  plain: wake-up - end, one event", fl["one"]["wake_lag_ms"]))
-    r, pr = fl["ratio"], phase["plain_ratio"]
+    r, pr = fl["ratio"], phase["floor_ratio"]
     print(
         f"     plain's spread x its one event: p50 {r['p50']:.1f}x, p99 {r['p99']:.1f}x; "
         f"flightcache's spread x plain's: p50 {pr['p50']:.1f}x, p99 {pr['p99']:.1f}x"
@@ -270,8 +270,8 @@ def _floor(phase: dict[str, Any]) -> None:
 
 def _floor_note(phase: dict[str, Any]) -> str:
     """The floor beside a spread target's figure."""
-    fl = phase.get("plain")
-    if fl is None or "spread" not in fl:
+    fl = phase.get("floor")
+    if fl is None:
         return ""
     return (
         f"; floor, plain redis-py's same spread: p99 {fl['spread']['wake_lag_ms']['p99']:.1f} ms"

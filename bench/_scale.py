@@ -431,7 +431,7 @@ async def run_flights(
                     spread_s=spread,
                 )
                 if spread:  # its floor, right after it
-                    phase["plain"] = await _plain_spread(
+                    phase["floor"] = await _plain_spread(
                         owner, follower, run_id, keys, spread, single_rounds
                     )
                 phases.append(phase)
@@ -444,9 +444,9 @@ async def run_flights(
     base, first = single["wake_lag_ms"], single["first_rounds_wake_lag_ms"]
     for phase in (many, steady, together):
         phase["wake_lag_ratio"] = {q: phase["wake_lag_ms"][q] / base[q] for q in ("p50", "p99")}
-        if "plain" in phase:  # (the spread phases) x plain redis-py's same spread
-            floor = phase["plain"]["spread"]["wake_lag_ms"]
-            phase["plain_ratio"] = {q: phase["wake_lag_ms"][q] / floor[q] for q in ("p50", "p99")}
+        if "floor" in phase:  # (the spread phases) x plain redis-py's same spread
+            floor = phase["floor"]["spread"]["wake_lag_ms"]
+            phase["floor_ratio"] = {q: phase["wake_lag_ms"][q] / floor[q] for q in ("p50", "p99")}
         phase["wake_lag_ratio_first_rounds"] = {
             q: phase["wake_lag_ms"][q] / first[q] for q in ("p50", "p99")
         }

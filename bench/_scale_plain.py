@@ -30,8 +30,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from ._util import spread_share
+
 POOL = 64
-SPREAD_STEP = 7919  # as the many-keys phase's: key i ends at its share of the spread
 
 _waits: list[Any] = []  # the last plain_follow's (client, pubsub, reader, tasks, woken)
 
@@ -73,7 +74,7 @@ async def plain_own(_fc: Any, msg: dict[str, Any]) -> dict[str, Any]:
         spread_s = float(msg.get("spread_s", 0.0))
 
         async def one(i: int) -> tuple[float, float]:
-            await asyncio.sleep(at + spread_s * (i * SPREAD_STEP % keys) / keys - time.monotonic())
+            await asyncio.sleep(at + spread_s * spread_share(i, keys) - time.monotonic())
             end = time.monotonic()
             async with client.pipeline(transaction=False) as pipe:
                 pipe.set(f"{prefix}:{i}", b"x" * 32, ex=60)

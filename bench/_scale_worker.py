@@ -45,6 +45,7 @@ from flightcache import FlightCache
 
 from ._orders import serve
 from ._scale_plain import OPS as PLAIN_OPS
+from ._util import spread_share
 from ._worker import warm
 
 
@@ -97,7 +98,6 @@ class GcPauses:
 
 
 GC = GcPauses()
-SPREAD_STEP = 7919  # a prime: key i's place in the spread is i * SPREAD_STEP mod keys
 
 
 class Batch:
@@ -149,8 +149,7 @@ class Batch:
         self.loading.add(i)
         self._moved.set()
         if self.owner:  # with a spread, the ends of the keys mixed over spread_s
-            share = (i * SPREAD_STEP % self.keys) / self.keys
-            await asyncio.sleep(self.loader_s + self.spread_s * share)
+            await asyncio.sleep(self.loader_s + self.spread_s * spread_share(i, self.keys))
         end = time.monotonic()
         self.loader_ends.append(end)
         return {"i": i, "pid": self.pid, "end": end}

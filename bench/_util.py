@@ -29,6 +29,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
+SPREAD_STEP = 7919  # a prime: key i's place in a spread is i * SPREAD_STEP mod keys
+
+
+def spread_share(i: int, keys: int) -> float:
+    """Key ``i``'s share (0..1) of a spread of ``keys`` ends: the keys' ends spread evenly
+    over it and mixed, so neighbouring keys (claimed in the same wave) end apart."""
+    return (i * SPREAD_STEP % keys) / keys
+
+
 def summary(values: Sequence[float]) -> dict[str, float]:
     return {
         "n": len(values),
