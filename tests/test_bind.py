@@ -6,6 +6,8 @@ with the session, capped by its proof, given up with it, watched through it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -53,6 +55,18 @@ class Loaders:
         await asyncio.wait_for(asyncio.gather(*(self.started[i].wait() for i in range(keys))), 10)
 
 
+@contextlib.contextmanager
+def _renewals_held(fc: Any) -> Iterator[None]:
+    """``fc``'s renewal thread kept from its next look while the burst is claimed and looked
+    at: it waits for its lock, which the loop's thread takes again to register the leases (a
+    re-entrant one). A renewal binds a flight, and on a busy machine the burst can take more
+    than a renewal tick (lease/3): CI once found all 200 bound before the test looked.
+    (Bounded by the test: held past the lease, the flights would be taken over.)"""
+    lock = fc._flights.renewer._lock
+    with lock:
+        yield
+
+
 async def _burst(fc: Any, loaders: Loaders) -> list[asyncio.Future[Any]]:
     """``BURST`` distinct flights started in one turn of a cache with no session yet."""
     calls = [asyncio.ensure_future(fc.do(f"b{i}", loaders(i))) for i in range(BURST)]
@@ -79,8 +93,9 @@ async def test_the_claims_of_a_burst_sent_before_the_session_was_up_are_bound_by
 ) -> None:
     fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS))
     loaders = Loaders()
-    calls = await _burst(fc, loaders)
-    unbound = (await _bound_epochs(fc, redis_client)).count(None)
+    with _renewals_held(fc):
+        calls = await _burst(fc, loaders)
+        unbound = (await _bound_epochs(fc, redis_client)).count(None)
     # The session starts with the burst's 16th owned flight: the claims sent with it are
     # unbound (they are what this test is about; if none were, it would prove nothing).
     assert unbound >= 16, unbound
@@ -120,8 +135,9 @@ async def test_a_flight_bound_after_its_claim_is_given_up_with_its_session(
     claim among them, is given up at once (its loader called off) and claimed again."""
     fc = make_cache(lease=LEASE_S, near_cache=False, tuning=Tuning(session_backstop_ms=BACKSTOP_MS))
     loaders = Loaders()
-    calls = await _burst(fc, loaders)
-    unbound = (await _bound_epochs(fc, redis_client)).count(None)
+    with _renewals_held(fc):
+        calls = await _burst(fc, loaders)
+        unbound = (await _bound_epochs(fc, redis_client)).count(None)
     assert unbound >= 16, unbound
     await _all_bound(fc, redis_client)
     session = await _usable_session(fc)
@@ -152,19 +168,21 @@ async def test_a_follower_of_a_flight_bound_after_its_claim_watches_the_session(
     tuning = Tuning(session_backstop_ms=BACKSTOP_MS)
     owner = make_cache(lease=LEASE_S, near_cache=False, tuning=tuning)
     loaders = Loaders()
-    calls = await _burst(owner, loaders)
-    unbound = [i for i, e in enumerate(await _bound_epochs(owner, redis_client)) if e is None]
-    assert len(unbound) >= 16, len(unbound)
 
     async def never() -> str:
         raise AssertionError("the follower's loader ran")
 
     follower = make_cache(lease=LEASE_S, near_cache=False, tuning=tuning)
-    follows = [asyncio.ensure_future(follower.do(f"b{i}", never)) for i in unbound]
-    for _ in range(50):  # bounded: 5 s
-        if follower.stats["follows"] == len(unbound):
-            break
-        await asyncio.sleep(0.1)
+    with _renewals_held(owner):  # (the follower joins unbound flights)
+        calls = await _burst(owner, loaders)
+        epochs = await _bound_epochs(owner, redis_client)
+        unbound = [i for i, e in enumerate(epochs) if e is None]
+        assert len(unbound) >= 16, len(unbound)
+        follows = [asyncio.ensure_future(follower.do(f"b{i}", never)) for i in unbound]
+        for _ in range(40):  # bounded: 0.4 s, well inside the lease
+            if follower.stats["follows"] == len(unbound):
+                break
+            await asyncio.sleep(0.01)
     assert follower.stats["follows"] == len(unbound)
     await _all_bound(owner, redis_client)
     rechecks = follower._flights.follower.rechecks
