@@ -5,14 +5,17 @@ writes nothing (dead or frozen) must be found another way: once the lease the fo
 told of has run out (plus a margin and a spread), it asks whether the claim it follows still
 holds the flight (``peek_flight``), and joins again only when it does not.
 
-Those re-checks are kept here, for every followed flight of one server, in one heap with one
-timer for the earliest (fired ``GATHER_S`` late, so the re-checks due meanwhile go together).
-When it fires, the flights due are peeked together, one write out at a time, several
-flights a script call, and the answers are applied here: a claim that still holds only
-moves its flight's next re-check to when the lease it has left runs out, with no wake-up of
-its follower; a follower is woken only when its claim no longer holds, its peek failed, or
-its wait bound ran out, and it then joins again itself. So following ten thousand flights
-for a long time costs a heap entry a flight, and a share of a script call a flight and
+Those re-checks are kept here, for every followed flight of one server, in time slots of
+``SLOT_S`` (one set of flights a slot, a heap of the slots) with one timer for the end of the
+earliest slot, so the re-checks due within one slot go together. A flight's item leaves its
+slot as soon as its follower is done, or moves when its re-check moves earlier, each in a
+step of constant cost: nothing stale is left to be swept out later. When the timer fires,
+the flights due are peeked together, one write out at a time, several flights a script
+call, and the answers are applied here: a claim that still holds only moves its flight's
+next re-check to when the lease it has left runs out, with no wake-up of its follower; a
+follower is woken only when its claim no longer holds, its peek failed, or its wait bound
+ran out, and it then joins again itself. So following ten thousand flights for a long time
+costs an item a flight, and a share of a script call a flight and
 lease: no timer, task, future, command or wake-up of a coroutine per flight and lease.
 (Each of those, ten thousand at once since one owner renews its leases in one batch, kept
 every wake message behind them waiting for hundreds of milliseconds.) docs/protocol.md
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import logging
 import math
 import random
@@ -63,8 +65,8 @@ class Recheck:
     lease_ms: int  # the call's lease: the spread of its re-checks
     deadline: float  # the call's wait bound: its follower is woken then
     due: float = 0.0  # the next re-check (of a bound flight: once meta's own TTL ran out)
-    queued: int = -1  # the number of its heap item, if it has one (else -1)
-    at: float = 0.0  # when that heap item comes up
+    queued: int = -1  # the slot its item is in, if it has one (else -1)
+    at: float = 0.0  # when that item comes up
     peeking: bool = False  # its peek is out: the answer queues it again
     gone: bool = False
     watch: Watch | None = None  # the session the flight is bound to, watched
@@ -90,10 +92,9 @@ class Watch:
 class Rechecks:
     """The re-checks of every flight this process follows on one server."""
 
-    GATHER_S = 0.01  # the timer fires this late: the re-checks due meanwhile go together
+    SLOT_S = 0.01  # the re-checks due within one slot go together, at its end
     PEEK_WRITE = 200  # flights a write: the due ones beyond go in the next
     PEEK_CALL = 200  # flights a script call on one server
-    COMPACT_AT = 64  # stale heap items kept at least, before they are left out at once
 
     def __init__(
         self,
@@ -107,12 +108,14 @@ class Rechecks:
         self._margin_s = margin_s
         self._clock = clock
         self._session_key = session_key  # a node id's session key on this server
-        self._heap: list[tuple[float, int, Recheck | Watch]] = []
+        # A slot's items (a dict for its order-free set with O(1) removal); the slots that
+        # have items, or had since their number was pushed, in a heap of their numbers.
+        self._slots: dict[int, dict[Recheck | Watch, None]] = {}
+        self._heap: list[int] = []
+        self._queued = 0  # items in the slots: one a followed flight or watched session
         self._watches: dict[tuple[str, bytes], Watch] = {}
         self._hub = hub  # its gaps: a peek answered across one is old; a bind across one, too
         hub.gap_hooks.append(self.gap)
-        self._stale = 0  # heap items whose flight ended or whose re-check moved earlier
-        self._numbers = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._sender: asyncio.Task[None] | None = None
@@ -122,9 +125,9 @@ class Rechecks:
         self.session_peeks = 0  # sessions peeked
 
     def __len__(self) -> int:
-        """Heap items: one a followed flight, and the stale ones of flights that ended (or
-        whose re-check moved earlier), fewer than the live ones or ``COMPACT_AT``."""
-        return len(self._heap)
+        """Queued items: one a followed flight and a watched session (none is left behind
+        by a flight that ended or whose re-check moved)."""
+        return self._queued
 
     def add(
         self,
@@ -183,14 +186,11 @@ class Rechecks:
         self._unbind(entry)
 
     def drop(self, entry: Recheck) -> None:
-        """The follower is done: its heap item is skipped when it comes up (or left out
-        when the stale items are more than the live ones: a flight that ends at once must
-        not be kept for a lease, with its waiter, by a busy process)."""
+        """The follower is done: its item leaves its slot now (a flight that ends at once
+        must not be kept for a lease, with its waiter, by a busy process)."""
         entry.gone = True
         self._unbind(entry)
-        if entry.queued != -1:
-            entry.queued = -1
-            self._stale_one()
+        self._unqueue(entry)
 
     def gap(self) -> None:
         """The wake channel had a gap (its connection dropped, or it subscribed anew): the
@@ -250,39 +250,55 @@ class Rechecks:
         watch.gone = True
         if self._watches.get((watch.key, watch.epoch)) is watch:
             del self._watches[(watch.key, watch.epoch)]
-        if watch.queued != -1:
-            watch.queued = -1
-            self._stale_one()
-
-    def _stale_one(self) -> None:
-        self._stale += 1
-        if self._stale > self.COMPACT_AT and self._stale * 2 > len(self._heap):
-            self._heap = [item for item in self._heap if item[2].queued == item[1]]
-            heapq.heapify(self._heap)
-            self._stale = 0
+        self._unqueue(watch)
 
     def _after(self, lease_left_ms: int, lease_ms: int) -> float:
         spread_s = min(lease_ms / 1000 * RECHECK_SPREAD, RECHECK_SPREAD_MAX_S)
         return self._clock() + lease_left_ms / 1000 + self._margin_s + random.random() * spread_s
 
+    def _slot(self, at: float) -> int:
+        return math.floor(at / self.SLOT_S)
+
     def _push(self, entry: Recheck | Watch, at: float) -> None:
-        if entry.queued != -1:  # moved earlier: its item now is stale
-            entry.queued = -1
-            self._stale_one()
-        number = next(self._numbers)
-        entry.queued, entry.at = number, at
-        heapq.heappush(self._heap, (at, number, entry))
+        """Queue ``entry``'s re-check for ``at``, in the slot of ``at`` (out of the slot it
+        was in: moved earlier)."""
+        self._unqueue(entry)
+        slot = self._slot(at)
+        items = self._slots.get(slot)
+        if items is None:
+            items = self._slots[slot] = {}
+            heapq.heappush(self._heap, slot)  # (a number once in the heap at a time)
+        items[entry] = None
+        entry.queued, entry.at = slot, at
+        self._queued += 1
         self._arm()
 
-    def _arm(self) -> None:
-        """One timer, for the earliest heap item, ``GATHER_S`` late (none while the sender
-        runs: it arms it when done). A timer up to ``GATHER_S`` later still stands: a
-        hundred flights followed in one turn do not replace it a hundred times."""
-        if not self._heap or self._sender is not None:
+    def _unqueue(self, entry: Recheck | Watch) -> None:
+        """Take ``entry``'s item out of its slot, if it has one. A slot left empty stays
+        until its number comes up (its number is in the heap): it is one a ``SLOT_S`` of
+        time ahead at most, and a flight queued in it again needs no second number."""
+        if entry.queued == -1:
             return
-        at = self._heap[0][0] + self.GATHER_S
+        items = self._slots.get(entry.queued)
+        if items is not None and items.pop(entry, 0) is None:
+            self._queued -= 1
+        entry.queued = -1
+
+    def _arm(self) -> None:
+        """One timer, for the end of the earliest slot with items (none while the sender
+        runs: it arms it when done). A timer up to a slot later still stands: a hundred
+        flights followed in one turn do not replace it a hundred times."""
+        if self._sender is not None:
+            return
+        heap, slots = self._heap, self._slots
+        while heap and not slots[heap[0]]:  # emptied by drops: nothing to fire for
+            del slots[heapq.heappop(heap)]
+        if not heap:
+            return
+        # a hair past the slot's end, so the clock read when it fires is past it too
+        at = (heap[0] + 1.01) * self.SLOT_S
         if self._timer is not None:
-            if self._timer_at <= at + self.GATHER_S:
+            if self._timer_at <= at + self.SLOT_S:
                 return
             self._timer.cancel()
         self._timer_at = at
@@ -308,21 +324,25 @@ class Rechecks:
             self._arm()
 
     def _take_due(self) -> tuple[list[Recheck], list[Watch]]:
-        """Up to ``PEEK_WRITE`` flights and sessions whose re-check is due now; flights whose
-        wait bound ran out are woken instead (their followers raise)."""
+        """Up to ``PEEK_WRITE`` flights and sessions whose re-check is due now (their slot
+        ended); flights whose wait bound ran out are woken instead (their followers
+        raise)."""
         now = self._clock()
-        heap = self._heap
+        current = self._slot(now)  # the slots before it ended: their items' times < now
+        heap, slots = self._heap, self._slots
         flights: list[Recheck] = []
         watches: list[Watch] = []
-        while heap and heap[0][0] <= now and len(flights) + len(watches) < self.PEEK_WRITE:
-            _, number, entry = heapq.heappop(heap)
-            if entry.queued != number:  # the flight ended, or its item was moved earlier
-                self._stale -= 1
+        while heap and heap[0] < current and len(flights) + len(watches) < self.PEEK_WRITE:
+            items = slots[heap[0]]
+            if not items:
+                del slots[heapq.heappop(heap)]
                 continue
+            entry = items.popitem()[0]
+            self._queued -= 1
             entry.queued = -1
             at = min(entry.due, entry.deadline)
-            if at > now:  # heard from meanwhile: its re-check moved later
-                self._push(entry, at)
+            if at > now:  # heard from meanwhile: its re-check moved later (to a slot not
+                self._push(entry, at)  # ended, so not this one)
             elif isinstance(entry, Watch):
                 entry.peeking = True
                 watches.append(entry)
@@ -424,9 +444,10 @@ class Rechecks:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._slots.clear()
         self._heap.clear()
+        self._queued = 0
         self._watches.clear()
-        self._stale = 0
         sender = self._sender
         if sender is not None:
             sender.cancel()
