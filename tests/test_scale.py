@@ -768,6 +768,76 @@ async def test_followed_flights_that_ended_leave_no_recheck_items_behind(
         assert len(rechecks) == 0, len(rechecks)  # (a watched session's item too, retired)
 
 
+async def test_flights_that_ended_are_never_rechecked_and_the_others_still_are(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """400 flights of their own lease (1 s) followed; the first 200 end at once. Their
+    items leave the slots with their followers (200 stay), none of them is peeked again,
+    and each of the 200 still running is peeked again within a lease and a half (its item
+    was not lost with the others' leaving), with no follower woken (the owner lives)."""
+    keys, lease = 400, 1.0
+    owner = FlightCache(
+        private_server.url, namespace=namespace, lease=lease, near_cache=False, tuning=OWN_LEASES
+    )
+    follower = FlightCache(
+        private_server.url, namespace=namespace, lease=lease, near_cache=False, tuning=OWN_LEASES
+    )
+    first, rest, started = asyncio.Event(), asyncio.Event(), 0
+    all_run = asyncio.Event()
+
+    def loader(i: int) -> Callable[[], Awaitable[str]]:
+        async def load() -> str:
+            nonlocal started
+            started += 1
+            if started == keys:
+                all_run.set()
+            await (first if i < keys // 2 else rest).wait()
+            return f"v{i}"
+
+        return load
+
+    try:
+        await owner.get("warm-up")
+        await follower.get("warm-up")
+        owned = [asyncio.ensure_future(owner.do(f"k{i}", loader(i))) for i in range(keys)]
+        await asyncio.wait_for(all_run.wait(), 10)
+        rechecks = _conn_of_flights(follower).follower.rechecks
+        peeked: list[tuple[float, str]] = []
+        real_send = rechecks._send
+
+        async def send(due: list[Any]) -> list[Any]:
+            now = time.monotonic()
+            peeked.extend((now, entry.fk.meta) for entry in due)
+            return list(await real_send(due))
+
+        rechecks._send = send
+        followed = [asyncio.ensure_future(follower.do(f"k{i}", _never)) for i in range(keys)]
+        await wait_until(lambda: len(rechecks) >= keys, 5.0, "every flight to be followed")
+        metas = {i: follower.keyspace.flight(f"k{i}").meta for i in range(keys)}
+        first.set()
+        half = keys // 2
+        assert await asyncio.gather(*followed[:half]) == [f"v{i}" for i in range(half)]
+        ended = time.monotonic()
+        assert len(rechecks) == keys - half, len(rechecks)
+        woken = rechecks.woken
+        await asyncio.sleep(1.5 * lease + 0.5)
+        after = [meta for at, meta in peeked if at > ended]
+        gone = {metas[i] for i in range(half)}
+        running = {metas[i] for i in range(half, keys)}
+        assert not gone & set(after)  # an ended flight is never re-checked
+        assert running <= set(after), len(running - set(after))  # each other one still is
+        assert rechecks.woken == woken  # the owner lives: no follower woken
+        rest.set()
+        assert await asyncio.gather(*followed[half:]) == [f"v{i}" for i in range(half, keys)]
+        assert await asyncio.gather(*owned) == [f"v{i}" for i in range(keys)]
+        assert len(rechecks) == 0
+    finally:
+        first.set()
+        rest.set()
+        await owner.aclose()
+        await follower.aclose()
+
+
 @pytest.mark.timeout(90)
 async def test_every_flight_of_a_killed_owner_is_taken_over_by_its_follower(
     private_server: EmbeddedServer, namespace: str, tmp_path: Path

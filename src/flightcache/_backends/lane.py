@@ -57,7 +57,7 @@ class SyncLane:
         self._client: redis.Redis
         if url.startswith(SENTINEL_SCHEMES):
             parsed = parse_sentinel_url(url)
-            sentinels = Sentinel(  # type: ignore[no-untyped-call]
+            sentinels = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
                 parsed.sentinels,
                 sentinel_kwargs=dict(
                     socket_connect_timeout=connect_timeout,
@@ -65,7 +65,7 @@ class SyncLane:
                     **parsed.sentinel,
                 ),
             )
-            self._client = sentinels.master_for(  # type: ignore[no-untyped-call]
+            self._client = sentinels.master_for(  # type: ignore[no-untyped-call, unused-ignore]
                 parsed.service, **{**options, **parsed.server}
             )
         else:

@@ -198,7 +198,7 @@ class Listener:
             finally:
                 self._subscribed.clear()
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def keepalive(url: str) -> dict[str, bool]:

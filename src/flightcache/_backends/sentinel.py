@@ -183,7 +183,7 @@ class SentinelMaster:
     def __init__(self, parsed: SentinelURL, shown_url: str, connect_timeout: float) -> None:
         self.url = parsed
         self.shown_url = shown_url
-        self.sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        self.sentinels = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             parsed.sentinels,
             sentinel_kwargs=dict(
                 # A sentinel answers at once or is skipped for the next one; no retries
