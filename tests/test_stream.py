@@ -25,7 +25,7 @@ from flightcache import (
     ValueTooLarge,
 )
 
-from .helpers.flights import wait_for_flight
+from .helpers.flights import wait_for_flight, wait_until
 from .helpers.procs import SRC, wait_for
 
 
@@ -231,6 +231,30 @@ async def test_ready_never_hands_over_the_chunks_of_a_restarted_stream() -> None
     assert fresh.ready() == []  # the restart is news for the next iteration first
     assert await fresh.__anext__() == "new 1"
     assert fresh.ready() == ["new 2", "new 3"]
+
+
+async def test_a_subscriber_cancelled_while_waiting_leaves_the_others_waiting() -> None:
+    """Each waiting subscriber has a future of its own: one cancelled mid-wait (a client
+    gone) does not cancel the others' wait, they still get the next chunk, and waits
+    given up again and again (timeouts, no news) do not pile up without bound."""
+    from flightcache._protocol.streaming import PRUNE_AT, FlightStream, LocalStream
+
+    local = LocalStream("digest")
+    local.opened("MISS")
+    gone, stays = (FlightStream(lambda: (local, False)) for _ in range(2))
+    waits = [asyncio.ensure_future(s.__anext__()) for s in (gone, stays)]
+    await asyncio.sleep(0)  # both wait now
+    waits[0].cancel()
+    await asyncio.sleep(0)
+    assert waits[0].cancelled() and not waits[1].done()
+    local.publish("chunk")
+    assert await asyncio.wait_for(waits[1], 5) == "chunk"
+    for _ in range(3 * PRUNE_AT):  # a reader polling with a short timeout, no news
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stays.__anext__(), 0.0001)
+    assert len(local._waiters) <= PRUNE_AT
+    local.publish("next")
+    assert await asyncio.wait_for(stays.__anext__(), 5) == "next"
 
 
 async def test_a_stream_over_the_size_limit_is_refused_and_not_cached(
@@ -524,3 +548,118 @@ async def test_the_chunks_a_stream_makes_as_it_ends_ride_its_completion(
             await fc.aclose()
     assert scripts == 3, log.commands  # the owner's join and completion, the follower's join
     assert reads == 0, log.commands  # the follower read nothing back: it was told it all
+
+
+class _HeldAppends:
+    """The owner's second ``append_chunks`` held back in this process until ``release``
+    (only the client side is touched: every script still runs on the real server), so
+    the run ends with that append on the wire; its answer is kept in ``answers``."""
+
+    def __init__(self, fc: FlightCache, complete_after_append: bool) -> None:
+        from flightcache._protocol.state import LUA
+
+        self.conn = conn = fc._flights.owner.conn  # type: ignore[union-attr]
+        self.real = conn.script
+        self.append_sha = LUA["append_chunks"].sha
+        self.complete_sha = LUA["complete_flight"].sha
+        self.appends = 0
+        self.first_back = asyncio.Event()  # the first append's answer came
+        self.held = asyncio.Event()  # the second append is held now
+        self.release = asyncio.Event()
+        self.completing = asyncio.Event()  # the completion was called
+        self.second_back = asyncio.Event()
+        self.complete_after_append = complete_after_append
+        self.answers: list[Any] = []
+        conn.script = self.script
+
+    async def script(self, lua: Any, fk: Any, keys: Any, args: Any) -> Any:
+        if lua.sha == self.complete_sha:
+            self.completing.set()
+            if self.complete_after_append:  # the held append runs first, then this one
+                self.release.set()
+                await self.second_back.wait()
+        if lua.sha != self.append_sha:
+            return await self.real(lua, fk, keys, args)
+        self.appends += 1
+        if self.appends == 2:
+            self.held.set()
+            await self.release.wait()
+        answer = await self.real(lua, fk, keys, args)
+        self.answers.append(int(answer))
+        (self.first_back if len(self.answers) == 1 else self.second_back).set()
+        return answer
+
+
+async def _stream_entries(server: EmbeddedServer, namespace: str, key: str) -> list[str]:
+    """The flight's stream as ``chunk:<s>`` and ``done:<n>`` entries, in order."""
+    import redis.asyncio as aioredis
+
+    from flightcache._keys import KeySpace
+
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        fk = KeySpace(namespace).flight(key)
+        entries = await client.xrange(fk.stream)
+    finally:
+        await client.aclose()
+    out = []
+    for _, fields in entries:
+        kind = fields[b"t"].decode()
+        if kind == "chunk":
+            out.append(f"chunk:{int(fields[b's'])}")
+        elif kind == "done":
+            out.append(f"done:{int(fields[b'n'])}")
+    return out
+
+
+@pytest.mark.parametrize("append_first", [False, True], ids=["completion-first", "append-first"])
+async def test_the_completion_overtakes_an_append_on_the_wire_without_a_gap_or_a_chunk_twice(
+    private_server: EmbeddedServer, namespace: str, append_first: bool
+) -> None:
+    """The run ends while its last append is on the wire: the completion is sent without
+    waiting for it, carrying that append's chunks too. Whichever of the two the server runs
+    first, the stream holds every chunk once, in order, before the done event; a follower
+    in another process gets every chunk once; the append that came second is refused
+    (completion first) and is not counted as a fenced write (docs/protocol.md, "Why the
+    completion may overtake the append on the wire")."""
+    owner, follower = (FlightCache(private_server.url, namespace=namespace) for _ in range(2))
+    held: _HeldAppends | None = None
+    try:
+        for fc in (owner, follower):
+            await fc.get("warm-up")  # listeners subscribed before any waiter exists
+        held = _HeldAppends(owner, complete_after_append=append_first)
+        hold = held
+        start = asyncio.Event()
+
+        async def produce() -> AsyncIterator[int]:
+            await start.wait()
+            yield 0  # the first append: sent at once
+            await hold.first_back.wait()
+            yield 1  # the second append: held on its way out
+            yield 2
+            await hold.held.wait()
+            yield 3  # queued behind the held append: rides the completion
+
+        own = asyncio.ensure_future(collect(owner.stream("q", produce)))
+        await wait_for_flight(owner, "q")
+        followed = follower.stream("q", produce)
+        assert await followed.opened() == "COALESCED"
+        start.set()
+        await asyncio.wait_for(hold.completing.wait(), 10)
+        mine = await asyncio.wait_for(own, 10)
+        if not append_first:  # the owner's callers had it all while the append was held
+            assert hold.answers == [1] and not hold.release.is_set()
+            hold.release.set()
+        assert mine == [0, 1, 2, 3]
+        assert await asyncio.wait_for(collect(followed), 10) == [0, 1, 2, 3]
+        await wait_until(lambda: len(hold.answers) == 2, 10, "the held append's answer")
+        entries = await _stream_entries(private_server, namespace, "q")
+    finally:
+        if held is not None:
+            held.release.set()
+        for fc in (owner, follower):
+            await fc.aclose()
+    assert entries == ["chunk:0", "chunk:1", "chunk:2", "chunk:3", "done:4"]
+    # completion first: the held append came after the end and was refused, quietly
+    assert held.answers == ([1, 1] if append_first else [1, 0])
+    assert owner.stats["fenced_writes"] == 0

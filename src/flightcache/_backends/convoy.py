@@ -137,9 +137,9 @@ class Convoy:
 
     A call made while none of this process's calls is on the wire goes at once, on a
     connection of its own (a lone call waits for nothing). A call made while others are out
-    waits here instead: at the end of the loop's turn, the calls waiting then go out in
-    writes of up to ``MAX_CALLS`` calls, each by a task on a connection of its own, all at
-    once while at most ``MAX_WRITES`` are out; each task goes on while calls keep coming.
+    waits here instead: in the loop's next turn, the calls waiting then go out in writes of
+    up to ``MAX_CALLS`` calls, each by a task on a connection of its own, all at once while
+    at most ``MAX_WRITES`` are out; each task goes on while calls keep coming.
     The cap keeps callers from moving in lockstep: with one write for all, a hundred
     callers were answered together, took their next step together and waited together
     while the server ran their next calls, and the process sat idle for a quarter of the
@@ -167,7 +167,7 @@ class Convoy:
         self._queue: list[tuple[Call, asyncio.Future[Any], float]] = []  # (.., queued at)
         self._out = 0  # calls sent alone and batches, on the wire now
         self._drains: set[asyncio.Task[None]] = set()
-        self._flushing = False
+        self._fresh = 0  # drains started that have not taken their first batch yet
         self.batches = 0  # writes that carried waiting calls
         self.carried = 0  # the calls they carried
 
@@ -185,22 +185,19 @@ class Convoy:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tuple[Any, float]] = loop.create_future()
         self._queue.append(((lua, keys, args), future, time.monotonic()))
-        if not self._flushing:
-            self._flushing = True
-            loop.call_soon(self._flush)  # after the calls made in this turn of the loop
-        return await future
-
-    def _flush(self) -> None:
-        self._flushing = False
-        batches = -(-len(self._queue) // self.MAX_CALLS)
-        loop = asyncio.get_running_loop()
-        while batches > 0 and len(self._drains) < self.MAX_WRITES:
+        # A drain started now takes its first batch in the loop's next turn, after the calls
+        # made in this one: one more for each MAX_CALLS waiting that no drain about to
+        # start will take, while fewer than MAX_WRITES are out. (Started here, not by a
+        # callback at the end of the turn, which cost every queued call one turn more.)
+        if len(self._queue) > self._fresh * self.MAX_CALLS and len(self._drains) < self.MAX_WRITES:
+            self._fresh += 1
             task = loop.create_task(self._drain())
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
-            batches -= 1
+        return await future
 
     async def _drain(self) -> None:
+        self._fresh -= 1
         batch: list[tuple[Call, asyncio.Future[Any], float]] = []
         try:
             while self._queue:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .._codec import NOT_FOUND_TAG, Envelope
 from .._errors import BackendUnavailable, ValueTooLarge
@@ -24,8 +24,16 @@ STREAM_OVERHEAD = 8  # tag bytes plus a list header (JSON brackets, msgpack arra
 OWN = b"own"  # the generation of chunks this process produced itself
 
 Producer = Callable[[], AsyncIterator[Any]]
-Append = Callable[[int, Sequence[bytes]], Awaitable[None]]
-"""Publishes chunks ``first_seq, first_seq+1, ...`` to followers; raises if fenced off."""
+
+
+class Append(Protocol):
+    """Publishes chunks ``first_seq, first_seq+1, ...`` to followers; raises if fenced off."""
+
+    # Set when the run has ended: an append still on the wire may then be overtaken by the
+    # completion, and its refusal is no news (the completion's answer is).
+    ended: bool
+
+    def __call__(self, first_seq: int, batch: Sequence[bytes]) -> Awaitable[None]: ...
 
 
 class LoaderJob:
@@ -35,6 +43,7 @@ class LoaderJob:
     inline_ok = True  # a small value may ride inside the done event
     batched = False  # a do_many key: its completion goes out with its batch's
     tail: Sequence[bytes] = ()  # no chunks ride the completion
+    tail_from = 0
 
     def __init__(
         self,
@@ -113,8 +122,10 @@ class StreamJob:
     The owner publishes each chunk to its own process at once and to other processes
     through ``append``, batching whatever the producer made while the previous append was
     on the wire (one fenced script call per batch, in order). The chunks still unsent when
-    the producer ends are left in ``tail`` for the completion to carry: the stream's end
-    costs one round trip, not an append and then the completion.
+    the producer ends are left in ``tail`` for the completion to carry, with those of the
+    append still on the wire, if any, which is not waited for: the stream's end costs one
+    round trip, not the rest of an append and then the completion (docs/protocol.md, "Why
+    the completion may overtake the append on the wire").
     """
 
     inline_ok = False  # followers have the chunks already
@@ -131,7 +142,9 @@ class StreamJob:
         self.lease: tuple[float, int] | None = None  # streams are not near-cached
         self.cost_ms: int | None = None
         self.key: Any = None
-        self.tail: Sequence[bytes] = ()  # encoded, numbered on from the chunks appended
+        self.tail: Sequence[bytes] = ()  # encoded, numbered from ``tail_from``
+        self.tail_from = 0  # the chunks appended before the tail (their answer read)
+        self.made: bytes | None = None  # the stored stream of this process's last run
 
     async def run(self, append: Append | None, context: FlightContext) -> bytes:
         self.local.opened(MISS)
@@ -139,6 +152,7 @@ class StreamJob:
         self.generation = OWN
         chunks: list[Any] = []
         pending: list[bytes] = []
+        on_wire: list[bytes] = []  # the batch of the append on the wire
         sent = 0
         size = STREAM_OVERHEAD  # the stored list: tags, brackets and one separator a chunk
         limit = self.envelope.max_value_bytes
@@ -151,10 +165,11 @@ class StreamJob:
             nonlocal sent
             assert append is not None
             while pending and not ending:
-                batch = pending[:]
+                on_wire[:] = pending
                 del pending[:]
-                await append(sent, batch)
-                sent += len(batch)
+                await append(sent, on_wire)
+                sent += len(on_wire)
+                on_wire.clear()
 
         try:
             async for chunk in self.producer():
@@ -185,10 +200,16 @@ class StreamJob:
                 flusher.cancel()
             raise
         ending = True
-        if flusher is not None:
-            await flusher  # the batch on the wire, if any: chunks stay in order
-        self.tail = tuple(pending)
-        return self.envelope.encode_stream(chunks, key=self.digest)
+        if flusher is not None and flusher.done():
+            flusher.result()  # a fenced append ends the run here
+        elif flusher is not None:  # not waited for: the completion carries its chunks too
+            assert append is not None
+            append.ended = True
+            _leftovers.add(flusher)
+            flusher.add_done_callback(_dropped)
+        self.tail, self.tail_from = (*on_wire, *pending), sent
+        self.made = self.envelope.encode_stream(chunks, key=self.digest)
+        return self.made
 
     def on_follow(self, claim_entry: bytes) -> None:
         self.local.opened(COALESCED)
@@ -213,3 +234,12 @@ class StreamJob:
 
 
 Job = LoaderJob | StreamJob
+
+_leftovers: set[asyncio.Future[None]] = set()  # appends still on the wire at their run's end
+
+
+def _dropped(flusher: asyncio.Future[None]) -> None:
+    """An append left on the wire by a run that ended came back: its answer is no news."""
+    _leftovers.discard(flusher)
+    if not flusher.cancelled():
+        flusher.exception()

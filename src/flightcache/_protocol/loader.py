@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from .._errors import FlightError, FlightTimeout
 from .._types import CallOptions
@@ -37,8 +38,27 @@ def _ended(
     _release(waiter)
 
 
+Work = tuple["asyncio.Task[bytes]", "asyncio.Future[None]"]
+
+
+def start_work(work: Coroutine[Any, Any, bytes]) -> Work:
+    """``work`` in a task of its own, and a future it sets itself in its last step, for
+    :func:`wait_bounded`: the waiter wakes one turn of the loop after the work ends, where a
+    done callback would take two (the callback's turn, then the waiter's). Under load a
+    turn is milliseconds, and every flight's end waits for it."""
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    return asyncio.ensure_future(_telling(work, ended)), ended
+
+
+async def _telling(work: Coroutine[Any, Any, bytes], ended: asyncio.Future[None]) -> bytes:
+    try:
+        return await work
+    finally:
+        _release(ended)  # (the task is done by the time its waiter runs)
+
+
 async def wait_bounded(
-    task: asyncio.Future[bytes],
+    task: asyncio.Future[bytes] | Work,
     timeout_s: float,
     digest: str,
     on_cancel: Callable[[], None] | None = None,
@@ -51,7 +71,10 @@ async def wait_bounded(
     (the loader's ``FlightContext``: idempotent).
     """
     loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[None] = loop.create_future()
+    if isinstance(task, tuple):  # from start_work: the task sets the waiter itself
+        task, waiter = task
+    else:
+        waiter = loop.create_future()
     task.add_done_callback(functools.partial(_ended, waiter, on_cancel))
     timer = loop.call_later(timeout_s, _release, waiter)
     try:

@@ -84,7 +84,10 @@ class LocalStreams:
                 job.record = record
             data = await flights.resolve(fk, job, opts, opening.handle)
             local.opened(HIT)  # no-op unless the join itself found the result
-            local.complete(None if data == b"" else self._stream_chunks(data, fk))
+            # b"": every chunk was read here; this process's own run: every chunk was made
+            # here (the very object its run encoded, so no later run's or owner's result)
+            mine = data == b"" or data is job.made
+            local.complete(None if mine else self._stream_chunks(data, fk))
         except asyncio.CancelledError:
             local.fail(FlightError("the FlightCache was closed", key=fk.digest))
             raise

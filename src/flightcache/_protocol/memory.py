@@ -7,7 +7,6 @@ expiry, encoded exactly as on Redis so size limits and codec errors behave the s
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
 import time
@@ -21,7 +20,13 @@ from .._types import CallOptions, FlightInfo, Invalidation, Stats
 from .base import Opening
 from .context import FlightContext
 from .jobs import Job
-from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from .loader import (
+    WorkCancelled,
+    cancelled_loader_error,
+    error_ttl_ms,
+    start_work,
+    wait_bounded,
+)
 
 
 class MemoryFlights:
@@ -101,9 +106,9 @@ class MemoryFlights:
         token = self._running[fk.digest] = next(self._tokens)
         ran_from = self.clock()
         context = FlightContext(job.key, fk.digest, token, 1, clock=self.clock)
-        work = asyncio.ensure_future(job.run(None, context))
+        started = start_work(job.run(None, context))
         try:
-            data = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
+            data = await wait_bounded(started, opts.timeout_s, fk.digest, context.cancel)
         except FlightTimeout:
             self.stats.timeouts += 1
             raise

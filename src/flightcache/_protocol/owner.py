@@ -33,7 +33,13 @@ from .._waits import within
 from .context import FlightContext
 from .heartbeat import Lease, Renewer
 from .jobs import Job
-from .loader import WorkCancelled, cancelled_loader_error, error_ttl_ms, wait_bounded
+from .loader import (
+    WorkCancelled,
+    cancelled_loader_error,
+    error_ttl_ms,
+    start_work,
+    wait_bounded,
+)
 from .pipelined import Together
 from .renewals import Owned, Renewals, shape_bound
 from .renewer_thread import ThreadRenewer
@@ -70,14 +76,14 @@ class _Appender:
     flight's names was nine (its cells and their tuple), made for every flight, streamed or
     not, and walked by every full collection while the flight runs."""
 
-    __slots__ = ("claim", "fk", "owner", "token", "written")
+    __slots__ = ("claim", "ended", "fk", "owner", "token")
 
     def __init__(self, owner: Owner, fk: FlightKeys, token: int, claim: str) -> None:
         self.owner = owner
         self.fk = fk
         self.token = token
         self.claim = claim
-        self.written = 0  # the chunks appended so far
+        self.ended = False  # the run ended: the completion decides, an append's answer not
 
     async def __call__(self, first_seq: int, batch: Sequence[bytes]) -> None:
         owner, fk = self.owner, self.fk
@@ -95,9 +101,8 @@ class _Appender:
             written = await owner._write(fk, "appending chunks", send)
         except FlightError as exc:
             raise _ServerFailed(exc) from exc
-        if int(written) != 1:
+        if int(written) != 1 and not self.ended:
             owner._fenced(fk, self.token)
-        self.written = first_seq + len(batch)
 
 
 class _ServerFailed(Exception):
@@ -228,7 +233,8 @@ class Owner:
         # The loader's view of its run: the token, and the lease the renewer last proved
         # (it starts running only after the lease is tracked: the next turn of the loop).
         context = FlightContext(job.key, fk.digest, token, attempt, clock=self.clock)
-        work = asyncio.ensure_future(job.run(append, context))
+        started = start_work(job.run(append, context))
+        work = started[0]
         if session is None:
             owned = Owned(fk, token, opts.lease_ms, stream_ttl, claim)
             heartbeat = self.renewer.add(
@@ -261,7 +267,7 @@ class Owner:
             context.track(BoundProof(heartbeat, owned))
 
         try:
-            encoded = await wait_bounded(work, opts.timeout_s, fk.digest, context.cancel)
+            encoded = await wait_bounded(started, opts.timeout_s, fk.digest, context.cancel)
         except WorkCancelled:
             self._drop(heartbeat, owned)
             if heartbeat.lost:
@@ -305,7 +311,7 @@ class Owner:
         if heartbeat.lost:  # the loader finished as the lease was found lost
             self.stats.lease_lost += 1
             raise Lost()
-        return await self._complete(fk, job, opts, token, encoded, ran_from, append.written)
+        return await self._complete(fk, job, opts, token, encoded, ran_from)
 
     def _drop(self, heartbeat: Lease, owned: Owned) -> None:
         """The loader ended, one way or another: its lease needs no more renewals."""
@@ -321,11 +327,11 @@ class Owner:
         token: int,
         encoded: bytes,
         ran_from: float,
-        chunks: int,
     ) -> bytes:
         prefix, limit = self._wake
         small = job.inline_ok and len(encoded) <= self.tuning.inline_max_bytes
         tail = job.tail  # a stream's last chunks, appended by the completion itself
+        chunks = job.tail_from  # the chunks before them, appended (and answered)
         count = "" if job.inline_ok else str(chunks + len(tail))
         ttl = opts.not_found_ttl_ms if encoded == NOT_FOUND_TAG else opts.ttl_ms
         ttl_ms = self._jittered(ttl) if opts.store and ttl > 0 else 0

@@ -15,10 +15,18 @@ from typing import Any
 from .._errors import StreamRestarted
 
 HIT, MISS, COALESCED = "HIT", "MISS", "COALESCED"
+PRUNE_AT = 64  # waiters kept before the ones whose subscriber left are dropped
 
 
 class LocalStream:
-    """Chunks of one stream flight in this process, and who waits for more."""
+    """Chunks of one stream flight in this process, and who waits for more.
+
+    Each subscriber that waits for news gets a future of its own (the ``_Slot`` way of
+    ``local.py``): a subscriber cancelled cancels only its own, and news reaches each of
+    the others with one wake-up. A shared future would need a shield around it, and the
+    shield costs each subscriber one more callback and one more turn of the loop for every
+    chunk, the first and the end included.
+    """
 
     def __init__(self, digest: str, table_key: str | None = None) -> None:
         self.digest = digest
@@ -28,12 +36,13 @@ class LocalStream:
         self.done = False
         self.error: BaseException | None = None
         self.source: str | None = None  # HIT, MISS (this process owns), COALESCED
-        self._changed: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
 
     def _wake(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
-        self._changed = None
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():  # (done: its subscriber left, cancelled)
+                fut.set_result(None)
 
     def opened(self, source: str) -> None:
         if self.source is None:
@@ -65,14 +74,18 @@ class LocalStream:
             self.error = error
             self._wake()
 
-    async def _changed_or_now(self) -> None:
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._changed)
+    def _changed(self) -> asyncio.Future[None]:
+        """A future of the caller's own, done at the next news (a chunk, the end, an
+        error, a restart, the source known)."""
+        if len(self._waiters) >= PRUNE_AT:  # waits given up (timed out) since the last news
+            self._waiters = [fut for fut in self._waiters if not fut.done()]
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return fut
 
     async def wait_opened(self) -> str:
         while self.source is None and self.error is None:
-            await self._changed_or_now()
+            await self._changed()
         if self.source is None:
             assert self.error is not None
             raise self.error
@@ -121,7 +134,7 @@ class Cursor:
                 raise local.error
             if local.done:
                 raise StopAsyncIteration
-            await local._changed_or_now()
+            await local._changed()
 
 
 class FlightStream:

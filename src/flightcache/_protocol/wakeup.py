@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from .._backends.listener import Listener
 
@@ -25,7 +25,7 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 def parse_message(data: bytes) -> tuple[str, bytes, list[Entry]]:
     """``digest, prev, entries`` of one wake message (netstrings; see ``_wake.lua``)."""
-    items = list(_netstrings(data))
+    items = _netstrings(data)
     digest, prev = items[0].decode(), items[1]
     entries: list[Entry] = []
     i = 2
@@ -37,13 +37,17 @@ def parse_message(data: bytes) -> tuple[str, bytes, list[Entry]]:
     return digest, prev, entries
 
 
-def _netstrings(data: bytes) -> Iterator[bytes]:
-    pos, end = 0, len(data)
+def _netstrings(data: bytes) -> list[bytes]:
+    """The strings of ``data`` (a list, not a generator: a follower parses every wake
+    message, a few a stream)."""
+    out: list[bytes] = []
+    pos, end, find = 0, len(data), data.index
     while pos < end:
-        colon = data.index(b":", pos)
-        size = int(data[pos:colon])
-        yield data[colon + 1 : colon + 1 + size]
-        pos = colon + 1 + size
+        colon = find(b":", pos)
+        stop = colon + 1 + int(data[pos:colon])
+        out.append(data[colon + 1 : stop])
+        pos = stop
+    return out
 
 
 def entry_key(entry_id: bytes) -> tuple[int, int]:

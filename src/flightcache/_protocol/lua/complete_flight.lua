@@ -13,7 +13,8 @@
 -- ARGV[11] claim id ('' where the join took the token itself)
 -- ARGV[12] sequence number of the first trailing chunk   ARGV[13...] encoded chunks: a
 --          stream's last chunks, appended as append_chunks would before the done event
---          (absent: none)
+--          (absent: none), but for those the stream's newest chunk of this token shows
+--          appended already
 -- The done event carries `x` (the result's TTL ms) and `c` (ARGV[7]), or `nc` = 1 when
 -- the result was not stored.
 -- Returns 1 written, 2 delivered but not stored (an invalidation marked it), 0 fenced:
@@ -27,7 +28,18 @@ if not owns(KEYS[2], ARGV[1], ARGV[11] or '') then
 end
 local w = wake_start(KEYS[4], KEYS[3])
 if #ARGV > 12 then
-  add_chunks(w, KEYS[3], ARGV[1], tonumber(ARGV[12]), 13)
+  -- The owner's last append may have run before this call or not yet (docs/protocol.md,
+  -- "the owner"): the trailing chunks the stream holds already are not added again.
+  local first = tonumber(ARGV[12])
+  local skip = 0
+  local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+  if newest then
+    local f = newest[2]
+    if f[2] == 'chunk' and f[4] == ARGV[1] then
+      skip = math.max(0, tonumber(f[6]) + 1 - first)
+    end
+  end
+  add_chunks(w, KEYS[3], ARGV[1], first + skip, 13 + skip)
 end
 local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidated') ~= '1'
 local event = {'t', 'done', 'tok', ARGV[1]}
