@@ -523,6 +523,44 @@ async def test_calls_past_a_full_pool_ride_together_and_none_fails(
     assert 0 < peak <= 4 + 1 + 1, peak
 
 
+async def test_a_call_queued_in_the_step_the_last_drain_ends_still_goes_out(
+    private_server: EmbeddedServer, namespace: str
+) -> None:
+    """With one drain allowed (``MAX_WRITES`` 1) and a call on the wire (so calls queue), a
+    call made in the very step the drain ends (it found nothing more to send) starts a
+    drain of its own and is answered. A drain counted out only by a done callback, a turn
+    later, left such a call waiting for the next call to start one: for ever when none
+    came (seen once in nine runs of the gateway's scale phase, a stream's completion)."""
+    from flightcache._protocol.state import LUA
+
+    fc = FlightCache(private_server.url, namespace=namespace, near_cache=False)
+    read = LUA["read_result"]
+    keys = [f"{namespace}:x:r", f"{namespace}:x:m", f"{namespace}:x:c"]
+    try:
+        await fc.get("warm-up")
+        convoy = _conn_of(fc)._convoy
+        convoy.MAX_WRITES = 1
+        real_drain = convoy._drain
+        late: list[asyncio.Future[Any]] = []
+
+        async def drain_then_call() -> None:
+            await real_drain()
+            if not late:  # still the step in which the drain ended
+                late.append(asyncio.ensure_future(convoy.call(read, keys, [])))
+
+        convoy._drain = drain_then_call
+        convoy._out += 1  # a call on the wire: the next ones queue
+        try:
+            first = await asyncio.wait_for(convoy.call(read, keys, []), 10)
+            await wait_until(lambda: bool(late), 10, "the late call")
+            second = await asyncio.wait_for(late[0], 10)
+        finally:
+            convoy._out -= 1
+    finally:
+        await fc.aclose()
+    assert first[0][0] is None and second[0][0] is None  # nothing stored: both answered
+
+
 async def test_calls_made_together_share_a_write_and_a_lone_call_goes_at_once(
     private_server: EmbeddedServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

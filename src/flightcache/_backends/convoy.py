@@ -236,6 +236,11 @@ class Convoy:
                 future.cancel()
             self._queue = []
             raise
+        finally:
+            # Out of the count in the step it ends, not by a done callback a turn later: a
+            # call queued meanwhile would find the drains full, start none, and wait for
+            # the next call to start one (for ever if none came).
+            self._drains.discard(asyncio.current_task())
 
     async def aclose(self) -> None:
         drains, self._drains = list(self._drains), set()
