@@ -191,9 +191,7 @@ class Convoy:
         # callback at the end of the turn, which cost every queued call one turn more.)
         if len(self._queue) > self._fresh * self.MAX_CALLS and len(self._drains) < self.MAX_WRITES:
             self._fresh += 1
-            task = loop.create_task(self._drain())
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
+            self._drains.add(loop.create_task(self._drain()))  # (it leaves when it ends)
         return await future
 
     async def _drain(self) -> None:

@@ -58,12 +58,13 @@ async def _telling(work: Coroutine[Any, Any, bytes], ended: asyncio.Future[None]
 
 
 async def wait_bounded(
-    task: asyncio.Future[bytes] | Work,
+    work: Work,
     timeout_s: float,
     digest: str,
     on_cancel: Callable[[], None] | None = None,
 ) -> bytes:
-    """The task's result, or FlightTimeout after ``timeout_s`` with the task cancelled.
+    """The result of ``work`` (from :func:`start_work`), or FlightTimeout after ``timeout_s``
+    with its task cancelled.
 
     A loader that ignores cancellation is given ``CANCEL_GRACE_S`` and then abandoned, so a
     hung loader can never hold its callers (or its heartbeat) past the bound. ``on_cancel``
@@ -71,10 +72,7 @@ async def wait_bounded(
     (the loader's ``FlightContext``: idempotent).
     """
     loop = asyncio.get_running_loop()
-    if isinstance(task, tuple):  # from start_work: the task sets the waiter itself
-        task, waiter = task
-    else:
-        waiter = loop.create_future()
+    task, waiter = work  # (from start_work: the task sets the waiter itself)
     task.add_done_callback(functools.partial(_ended, waiter, on_cancel))
     timer = loop.call_later(timeout_s, _release, waiter)
     try:
