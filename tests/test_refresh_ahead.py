@@ -111,3 +111,22 @@ async def test_without_refresh_ahead_an_expiry_is_a_miss(make_cache: Any) -> Non
     started = time.monotonic()
     await fc.do("k", loader, ttl=0.3)
     assert time.monotonic() - started >= 0.09
+
+
+def test_an_unlucky_draw_starts_a_refresh_no_earlier_than_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """U drawn next to 0 (-ln(U) about 28, uncapped): the refresh still waits until
+    ``cost * (1 + beta * MAX_DRAW)`` + the margin before the expiry, not most of a TTL."""
+    from flightcache._protections import ahead
+
+    monkeypatch.setattr(ahead.random, "random", lambda: 1.0 - 1e-12)
+    now = [100.0]
+    known = ahead.RefreshAhead(clock=lambda: now[0])
+    known.saw("k", sent=100.0, ttl_left_ms=10_000, cost_ms=100)  # expires at 110
+    lead = 0.1 * (1 + ahead.MAX_DRAW) + ahead.MARGIN_S
+    now[0] = 110.0 - lead - 0.01
+    assert known.due("k", 1.0) is None  # uncapped it would be due since 107.2
+    now[0] = 110.0 - lead + 0.01
+    left_ms = known.due("k", 1.0)
+    assert left_ms is not None and abs(left_ms - (lead - 0.01) * 1000) <= 1

@@ -4,10 +4,11 @@ A caller that asked for it decides by the XFetch rule (Vattani, Chierichetti and
 Lowenstein, "Optimal probabilistic cache stampede prevention"): recompute once
 ``now + cost * (1 + beta * -ln(U)) + margin >= expiry`` with U uniform in (0, 1], where
 ``cost`` is how long the value took to compute (the ``1 +`` makes sure the new value is
-ready before the old one expires). The draw is made once per value and process, not per call:
-drawn per call, a hot key's many calls would all but surely start the refresh long before
-the expiry (about ``cost * ln(calls per second * cost)`` early), and the value would be
-recomputed more than once per lifetime. One background flight recomputes it while every
+ready before the old one expires), and ``-ln(U)`` is capped at ``MAX_DRAW``. The draw is
+made once per value and process, not per call: drawn per call, a hot key's many calls would
+all but surely start the refresh long before the expiry (about
+``cost * ln(calls per second * cost)`` early), and the value would be recomputed more than
+once per lifetime. One background flight recomputes it while every
 caller keeps getting the current value; the flight's join skips the work when another
 process refreshed it already.
 """
@@ -23,6 +24,11 @@ MIN_COST_S = 0.01  # a value whose cost is unknown is treated as this cheap
 MAX_TRACKED = 10_000
 SAME_VALUE_S = 0.05  # two reads whose expiries differ by less saw the same value
 MARGIN_S = 0.05  # a refresh starts at least this long before it must be done
+# The draw -ln(U) is capped at its 99th percentile, -ln(0.01): its exponential tail would
+# otherwise, now and then, start a refresh most of a TTL early and run the loader (an LLM
+# call) far more often than once per TTL. A CI run saw it: a draw of about 6 across three
+# processes refreshed a 1 s value 0.14 s after the one before was stored.
+MAX_DRAW = 4.6
 
 
 class RefreshAhead:
@@ -46,7 +52,7 @@ class RefreshAhead:
         if old is not None and abs(old[0] - expires) < max(SAME_VALUE_S, cost):
             draw = old[2]  # the same value, read again: keep its draw
         else:
-            draw = -math.log(1.0 - random.random())
+            draw = min(-math.log(1.0 - random.random()), MAX_DRAW)
         self._known[digest] = (expires, cost, draw)
         if len(self._known) > MAX_TRACKED:
             del self._known[next(iter(self._known))]
