@@ -21,6 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from flightcache import EmbeddedServer, FlightCache, FlightError, StreamRestarted
 from flightcache._backends.redis import RedisConnection
 from flightcache._protocol.flight import LUA
+from flightcache._protocol.wakeup import parse_message
 
 from .helpers.flights import wait_for_flight, wait_until
 
@@ -53,6 +54,49 @@ async def test_append_chunks_with_a_stale_token_is_refused_and_writes_nothing(
     assert await redis_client.hget(fk.meta, "ownerToken") == b"7"
     assert await redis_client.pttl(fk.meta) == -1  # no TTL touched
     assert await redis_client.lrange(fk.waiters, 0, -1) == [b"some-node"]
+
+
+async def test_the_wake_message_of_an_append_is_the_entries_it_appended_fields_and_all(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """``add_chunks`` writes each chunk's netstrings itself (not through ``wake_add``): what a
+    waiting node hears must still be exactly the stream's new entries, ids and fields, and
+    ``prev`` the entry before them; chunks that are empty, long, binary or look like
+    netstrings included."""
+    fc = make_cache()
+    await fc.get("warm-up")
+    fk = fc.keyspace.flight("q")
+    token = "123456789012345"
+    await redis_client.hset(fk.meta, mapping={"ownerToken": token, "status": "RUNNING"})
+    await redis_client.rpush(fk.waiters, "node-a", "node-a")  # queued twice: told once
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(fc.keyspace.wake_prefix + "node-a")
+    try:
+        heard = []
+        odd = [b"", b"x" * 300, "\u00e9".encode(), b"3:a,1:b", b"\x00\xff"]
+        batches = [(0, [b'"first"']), (1, odd)]
+        for seq, chunks in batches:
+            before = await redis_client.xrevrange(fk.stream, count=1)
+            written = await fc._conn.script(
+                LUA["append_chunks"],
+                fk,
+                (fk.meta, fk.stream, fk.waiters),
+                (token, seq, fc.keyspace.wake_prefix, fk.digest, 65536, "", *chunks),
+            )
+            assert written == 1
+            message = None
+            while message is None:
+                message = await pubsub.get_message(timeout=5.0)
+            digest, prev, entries = parse_message(message["data"])
+            assert digest == fk.digest
+            assert prev == (before[0][0] if before else b"0-0")
+            heard += entries
+            assert [fields[b"v"] for _, fields in entries] == chunks
+        assert heard == await redis_client.xrange(fk.stream)
+        assert [int(fields[b"s"]) for _, fields in heard] == list(range(6))
+        assert await pubsub.get_message(timeout=0.2) is None  # one message a call, not two
+    finally:
+        await pubsub.aclose()
 
 
 async def test_complete_flight_with_trailing_chunks_and_a_stale_token_writes_nothing(
