@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -533,3 +533,44 @@ def test_a_lease_is_bounded_by_the_liveness_the_node_had_when_it_sent_the_read()
     live_until[0] = clock() + 6.0  # its renewal's reply arrives first
     leaser.grant("digest", ENVELOPE.encode("old"), sent, 60_000, heard)
     assert near.get("digest") is None  # not live when it asked: no lease
+
+
+def _netstring(value: bytes) -> bytes:
+    return b"%d:%b" % (len(value), value)
+
+
+_field = st.binary(max_size=40) | st.sampled_from([b"t", b"chunk", b"tok", b"s", b"v", b"1:s"])
+_chunk_entry = st.tuples(
+    st.binary(max_size=20), st.integers(0, 10**6), st.binary(max_size=300)
+).map(lambda t: [b"t", b"chunk", b"tok", t[0], b"s", b"%d" % t[1], b"v", t[2]])
+_entry = st.tuples(
+    st.binary(min_size=1, max_size=24),
+    _chunk_entry
+    | st.lists(st.tuples(_field, _field), max_size=5).map(
+        lambda pairs: [x for pair in pairs for x in pair]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    digest=st.text(alphabet="0123456789abcdef", min_size=1, max_size=32),
+    prev=st.binary(max_size=24),
+    entries=st.lists(_entry, max_size=6),
+)
+def test_a_wake_message_parses_to_what_was_written(
+    digest: str, prev: bytes, entries: list[tuple[bytes, list[bytes]]]
+) -> None:
+    """``parse_message`` against the format itself (docs/protocol.md, "The wake channel"):
+    chunk entries as ``add_chunks`` writes them (read by the parser's shortcut), any other
+    entry, and fields that look like the shortcut's markers, read back exactly; a message cut
+    short is refused, never read as a shorter one."""
+    data = _netstring(digest.encode()) + _netstring(prev)
+    for entry_id, fields in entries:
+        data += _netstring(entry_id) + _netstring(b"%d" % len(fields))
+        data += b"".join(_netstring(f) for f in fields)
+    expected = [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in entries]
+    assert parse_message(data) == (digest, prev, expected)
+    if entries:
+        with pytest.raises((ValueError, IndexError)):
+            parse_message(data[:-1])

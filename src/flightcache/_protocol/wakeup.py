@@ -23,31 +23,46 @@ log = logging.getLogger("flightcache.follow")
 Entry = tuple[bytes, dict[bytes, bytes]]
 
 
+# A chunk entry's field count and first three fields as ``add_chunks`` writes them
+# (``_chunks.lua``): such an entry is read as four netstrings (id, token, number, value), not
+# ten. A message is parsed for every few chunks a follower gets.
+_CHUNK_HEAD = b"1:81:t5:chunk3:tok"
+_T, _CHUNK, _TOK, _S, _V = b"t", b"chunk", b"tok", b"s", b"v"
+
+
 def parse_message(data: bytes) -> tuple[str, bytes, list[Entry]]:
-    """``digest, prev, entries`` of one wake message (netstrings; see ``_wake.lua``)."""
-    items = _netstrings(data)
-    digest, prev = items[0].decode(), items[1]
-    entries: list[Entry] = []
-    i = 2
-    while i < len(items):
-        entry_id, count = items[i], int(items[i + 1])
-        flat = items[i + 2 : i + 2 + count]
-        entries.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
-        i += 2 + count
-    return digest, prev, entries
+    """``digest, prev, entries`` of one wake message (netstrings; see ``_wake.lua``);
+    ValueError (or IndexError) when it is not one."""
+    find, end = data.index, len(data)
 
-
-def _netstrings(data: bytes) -> list[bytes]:
-    """The strings of ``data`` (a list, not a generator: a follower parses every wake
-    message, a few a stream)."""
-    out: list[bytes] = []
-    pos, end, find = 0, len(data), data.index
-    while pos < end:
+    def take(pos: int) -> tuple[bytes, int]:
         colon = find(b":", pos)
-        stop = colon + 1 + int(data[pos:colon])
-        out.append(data[colon + 1 : stop])
-        pos = stop
-    return out
+        size = int(data[pos:colon])
+        stop = colon + 1 + size
+        if size < 0 or stop > end:
+            raise ValueError("a netstring runs past the end of the message")
+        return data[colon + 1 : stop], stop
+
+    digest, pos = take(0)
+    prev, pos = take(pos)
+    entries: list[Entry] = []
+    while pos < end:
+        entry_id, pos = take(pos)
+        if data.startswith(_CHUNK_HEAD, pos):
+            token, at = take(pos + len(_CHUNK_HEAD))
+            if data.startswith(b"1:s", at):
+                seq, at = take(at + 3)
+                if data.startswith(b"1:v", at):
+                    value, pos = take(at + 3)
+                    entries.append((entry_id, {_T: _CHUNK, _TOK: token, _S: seq, _V: value}))
+                    continue
+        count, pos = take(pos)  # any other entry: its field count, then names and values
+        flat = []
+        for _ in range(int(count)):
+            item, pos = take(pos)
+            flat.append(item)
+        entries.append((entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+    return digest.decode(), prev, entries
 
 
 def entry_key(entry_id: bytes) -> tuple[int, int]:
