@@ -20,7 +20,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from flightcache.gateway._http import env_proxy, upstream_session  # noqa: E402
-from flightcache.gateway._upstream import Upstream, UpstreamError, _lines  # noqa: E402
+from flightcache.gateway._upstream import Upstream, UpstreamError, _lines, _sse_data  # noqa: E402
 
 # Bodies of a few short lines, each ended by any of the three line endings (or none).
 _LINE = st.text(alphabet=st.sampled_from("ab: é"), max_size=4)
@@ -54,6 +54,38 @@ def test_a_body_cut_anywhere_gives_the_same_lines(body: bytes, cuts: list[int]) 
         return [line async for line in _lines(_pieces(body, cuts))]
 
     assert asyncio.run(lines()) == _expected(body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=st.lists(st.text(alphabet="ab é:", max_size=5), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=8),
+)
+def test_each_event_is_handed_on_before_the_next_piece_is_read(
+    texts: list[str], cuts: list[int]
+) -> None:
+    """A stream's events go to the clients as they come: the upstream's reader hands on each
+    event before it asks for the piece after the one that ended it (its "\\n\\n" split across
+    two pieces included), never holding it until more of the body arrives."""
+    events = [b"data: " + t.encode() + b"\n\n" for t in texts]
+    body = b"".join(events)
+    ends = [sum(map(len, events[: i + 1])) for i in range(len(events))]
+    got: list[str] = []
+
+    async def pieces() -> AsyncIterator[bytes]:
+        read = 0
+        async for piece in _pieces(body, cuts):
+            # asked for more: every event that ended in what was read is out already
+            assert len(got) >= sum(end <= read for end in ends), (read, got)
+            read += len(piece)
+            yield piece
+
+    async def run() -> None:
+        async for event in _sse_data(_lines(pieces())):
+            got.append(event)
+
+    asyncio.run(run())
+    assert got == texts
 
 
 async def test_a_cookie_an_upstream_sets_is_not_sent_on_later_calls() -> None:
