@@ -8,9 +8,8 @@ ready before the old one expires), and ``-ln(U)`` is capped at ``MAX_DRAW``. The
 made once per value and process, not per call: drawn per call, a hot key's many calls would
 all but surely start the refresh long before the expiry (about
 ``cost * ln(calls per second * cost)`` early), and the value would be recomputed more than
-once per lifetime. One background flight recomputes it while every
-caller keeps getting the current value; the flight's join skips the work when another
-process refreshed it already.
+once per lifetime. One background flight recomputes it while every caller keeps getting the
+current value; the flight's join skips the work when another process refreshed it already.
 """
 
 from __future__ import annotations

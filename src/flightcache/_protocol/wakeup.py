@@ -32,7 +32,7 @@ _T, _CHUNK, _TOK, _S, _V = b"t", b"chunk", b"tok", b"s", b"v"
 
 def parse_message(data: bytes) -> tuple[str, bytes, list[Entry]]:
     """``digest, prev, entries`` of one wake message (netstrings; see ``_wake.lua``);
-    ValueError (or IndexError) when it is not one."""
+    ValueError when it is not one."""
     find, end = data.index, len(data)
 
     def take(pos: int) -> tuple[bytes, int]:
