@@ -59,6 +59,27 @@ async def test_a_stream_runs_once_and_a_hit_replays_it(backend_url: str, make_ca
     assert await fc.do("q", producer_of([])) == [{"delta": "Hel"}, {"delta": "lo"}, {"delta": "!"}]
 
 
+async def test_a_stored_stream_keeps_no_cost_key_and_a_stored_value_does(
+    make_cache: Any, redis_client: Any
+) -> None:
+    """Refresh-ahead reads a result's cost, and only ``do()`` refreshes ahead: a stream's
+    result is stored with its TTL and no cost key beside it (one key less for each cached
+    answer), a value's with its cost, as before."""
+    fc = make_cache()
+    assert await collect(fc.stream("s", producer_of(["a", "b"]))) == ["a", "b"]
+
+    async def load() -> str:
+        await asyncio.sleep(0.02)
+        return "v"
+
+    assert await fc.do("v", load) == "v"
+    stream_keys, value_keys = fc.keyspace.flight("s"), fc.keyspace.flight("v")
+    assert await redis_client.pttl(stream_keys.result) > 0
+    assert await redis_client.exists(stream_keys.cost) == 0
+    assert await redis_client.pttl(value_keys.result) > 0
+    assert int(await redis_client.get(value_keys.cost)) >= 20
+
+
 async def test_local_subscribers_share_one_run_and_see_the_same_chunks(
     backend_url: str, make_cache: Any
 ) -> None:

@@ -2,10 +2,11 @@
 -- stream, so each tells the nodes queued in the flight's waiters list what it appended, in
 -- the same atomic call (docs/protocol.md, "The wake channel").
 -- wake_start(waiters, stream) before the first XADD: the queued nodes and the stream's newest
--- entry id (nil when nobody waits: nothing to tell). wake_add(w, id, fields) for each entry
--- appended. wake_send(w, prefix, digest, limit) publishes one message on <prefix><node> to
--- each node: netstrings of digest, prev, then per entry its id, field count and fields; the
--- entries are left out (a bare hint) when they would exceed `limit` bytes.
+-- entry, and its id as `prev` (nil when nobody waits: nothing to tell). wake_add(w, id,
+-- fields) for each entry appended. wake_send(w, prefix, digest, limit) publishes one message
+-- on <prefix><node> to each node: netstrings of digest, prev, then per entry its id, field
+-- count and fields; the entries are left out (a bare hint) when they would exceed `limit`
+-- bytes.
 local function wake_ns(s)
   s = tostring(s)
   return #s .. ':' .. s
@@ -15,8 +16,8 @@ local function wake_start(waiters, stream)
   if #nodes == 0 then
     return nil
   end
-  local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-  return {nodes = nodes, prev = newest[1] and newest[1][1] or '0-0', parts = {}}
+  local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  return {nodes = nodes, prev = newest and newest[1] or '0-0', newest = newest, parts = {}}
 end
 local function wake_add(w, id, fields)
   if w then

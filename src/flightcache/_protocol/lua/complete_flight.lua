@@ -8,7 +8,8 @@
 -- ARGV[5] how long the stream lingers after the flight, ms
 -- ARGV[6] chunk count of a stream flight ('' for a value), carried in the done event so a
 --         follower knows it saw every chunk
--- ARGV[7] how long the loader ran, ms (kept beside the result for refresh-ahead)
+-- ARGV[7] how long the loader ran, ms (kept beside a value's result, KEYS[5], for
+--         refresh-ahead; not beside a stream's, which refresh-ahead never reads)
 -- ARGV[8] wake channel prefix   ARGV[9] digest   ARGV[10] wake message limit (bytes)
 -- ARGV[11] claim id ('' where the join took the token itself)
 -- ARGV[12] sequence number of the first trailing chunk   ARGV[13...] encoded chunks: a
@@ -32,7 +33,12 @@ if #ARGV > 12 then
   -- "the owner"): the trailing chunks the stream holds already are not added again.
   local first = tonumber(ARGV[12])
   local skip = 0
-  local newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+  local newest
+  if w then
+    newest = w.newest  -- (read by wake_start already)
+  else
+    newest = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+  end
   if newest then
     local f = newest[2]
     if f[2] == 'chunk' and f[4] == ARGV[1] then
@@ -45,7 +51,9 @@ local stored = tonumber(ARGV[3]) > 0 and redis.call('HGET', KEYS[2], 'invalidate
 local event = {'t', 'done', 'tok', ARGV[1]}
 if stored then
   redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[3])
+  if ARGV[6] == '' then  -- a stream's cost is nobody's: refresh-ahead is for values only
+    redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[3])
+  end
   table.insert(event, 'x')
   table.insert(event, ARGV[3])
   table.insert(event, 'c')
