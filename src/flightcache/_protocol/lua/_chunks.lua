@@ -8,15 +8,14 @@
 -- took 64 us of the server's time, 39 us so; of 20, 212 us and 113 us).
 local function add_chunks(w, stream, token, seq, first)
   local parts = w and w.parts
-  local shared = parts and '1:8' .. wake_ns('t') .. wake_ns('chunk') .. wake_ns('tok')
-    .. wake_ns(token) .. '1:s'
+  local shared = parts and wake_ns(8) .. wake_ns('t') .. wake_ns('chunk') .. wake_ns('tok')
+    .. wake_ns(token) .. wake_ns('s')
+  local v = parts and wake_ns('v')
   for i = first, #ARGV do
     local value = ARGV[i]
     local id = redis.call('XADD', stream, '*', 't', 'chunk', 'tok', token, 's', seq, 'v', value)
-    if parts then
-      local s = tostring(seq)
-      parts[#parts + 1] = #id .. ':' .. id .. shared .. #s .. ':' .. s .. '1:v' .. #value .. ':'
-        .. value
+    if parts then  -- (the value's netstring made in place: wake_ns would copy it once more)
+      parts[#parts + 1] = wake_ns(id) .. shared .. wake_ns(seq) .. v .. #value .. ':' .. value
     end
     seq = seq + 1
   end

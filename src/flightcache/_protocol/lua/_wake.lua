@@ -2,11 +2,11 @@
 -- stream, so each tells the nodes queued in the flight's waiters list what it appended, in
 -- the same atomic call (docs/protocol.md, "The wake channel").
 -- wake_start(waiters, stream) before the first XADD: the queued nodes and the stream's newest
--- entry, and its id as `prev` (nil when nobody waits: nothing to tell). wake_add(w, id,
--- fields) for each entry appended. wake_send(w, prefix, digest, limit) publishes one message
--- on <prefix><node> to each node: netstrings of digest, prev, then per entry its id, field
--- count and fields; the entries are left out (a bare hint) when they would exceed `limit`
--- bytes.
+-- entry, whose id is the message's `prev` (nil when nobody waits: nothing to tell).
+-- wake_add(w, id, fields) for each entry appended. wake_send(w, prefix, digest, limit)
+-- publishes one message on <prefix><node> to each node: netstrings of digest, prev, then per
+-- entry its id, field count and fields; the entries are left out (a bare hint) when they
+-- would exceed `limit` bytes.
 local function wake_ns(s)
   s = tostring(s)
   return #s .. ':' .. s
@@ -17,7 +17,7 @@ local function wake_start(waiters, stream)
     return nil
   end
   local newest = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
-  return {nodes = nodes, prev = newest and newest[1] or '0-0', newest = newest, parts = {}}
+  return {nodes = nodes, newest = newest, parts = {}}
 end
 local function wake_add(w, id, fields)
   if w then
@@ -37,7 +37,8 @@ local function wake_send(w, prefix, digest, limit)
   if #body > tonumber(limit) then
     body = ''
   end
-  local message = wake_ns(digest) .. wake_ns(w.prev) .. body
+  local prev = w.newest and w.newest[1] or '0-0'
+  local message = wake_ns(digest) .. wake_ns(prev) .. body
   local seen = {}
   for _, node in ipairs(w.nodes) do
     if not seen[node] then
