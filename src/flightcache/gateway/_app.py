@@ -23,7 +23,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from .._cache import FlightCache
@@ -45,6 +45,7 @@ from ._config import GatewayConfig
 from ._http import upstream_session
 from ._metrics import CONTENT_TYPE_LATEST, Accounting, GatewayMetrics
 from ._requestkey import ROUTES, BadRequest, Plan, Policy, plan_request
+from ._response import StreamedBody
 from ._tracing import Tracing
 from ._upstream import Upstream, UpstreamError, describe_error, openai_error
 from ._wire import anthropic_body, error_response
@@ -223,7 +224,7 @@ class _Gateway:
         if plan.stream:
             headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
             events = self._events(plan, source, flight, chunks)
-            return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+            return StreamedBody(events, headers=headers, media_type="text/event-stream")
         await flight.aclose()
         try:
             answer = answer_of(plan.route, chunks)

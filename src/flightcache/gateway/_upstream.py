@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 import yarl
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Send
 
 from .._errors import (
@@ -42,6 +42,7 @@ from ..integrations._chat import chunks_from_completion
 from ..integrations._events import events_from_message, events_from_response
 from ..integrations._rules import Route
 from ._http import TRANSPORT_ERRORS, body_of, bounded, is_timeout, send
+from ._response import StreamedBody
 
 __all__ = [
     "HOP_BY_HOP",
@@ -174,7 +175,7 @@ def _without_hop_by_hop(items: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(k, v) for k, v in pairs if k not in HOP_BY_HOP and k not in named]
 
 
-class _Relay(StreamingResponse):
+class _Relay(StreamedBody):
     """A relayed body: if the upstream breaks off, the client's response is left incomplete
     (the connection is closed) instead of looking finished."""
 
