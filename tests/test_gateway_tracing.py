@@ -6,6 +6,9 @@ The gateway runs in a ``ServerThread`` of this process with a tracer provider of
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -93,3 +96,45 @@ def test_a_span_per_request_under_the_callers_span(
     assert "flightcache.cache" not in passthrough.attributes
     assert error.status.status_code is StatusCode.ERROR
     assert "sk-trace" not in str([dict(s.attributes or {}) for s in spans])
+
+
+GLOBAL_PROVIDER_LATER = """
+import json
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from flightcache.gateway._tracing import Tracing
+
+tracing = Tracing()  # as make_app() without tracer_provider: the global provider's
+scope = {"method": "POST", "path": "/v1/chat/completions", "headers": []}
+with tracing.request(scope, "chat") as before:
+    before.response(200, [(b"x-cache", b"MISS")])
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+with tracing.request(scope, "chat") as after:
+    after.response(200, [(b"x-cache", b"HIT")])
+print(json.dumps({
+    "span_before": before._span is not None,
+    "spans": [[s.name, s.attributes["flightcache.cache"]] for s in exporter.get_finished_spans()],
+}))
+"""
+
+
+def test_no_span_is_made_until_a_global_provider_is_configured_and_then_every_request_has_one() -> (
+    None
+):
+    """Without a provider the API's no-op span would record nothing and cost about 20 us a
+    request: none is made. A provider configured later is found by the next request. (In
+    a child process: a global provider is set once per process.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", GLOBAL_PROVIDER_LATER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"span_before": False, "spans": [["POST /v1/chat/completions", "HIT"]]}

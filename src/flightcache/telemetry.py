@@ -92,6 +92,19 @@ def _otel() -> _Api | None:
     return _api
 
 
+def _global_tracer(name: str, version: str | None = None) -> Any:
+    """The global tracer provider's tracer named ``name``, once the process has configured
+    one; None before (a provider is set once per process: until then, spans would go
+    nowhere) and without the package."""
+    api = _otel()
+    if api is None or (api.watch_slot and api.trace._TRACER_PROVIDER is None):
+        return None  # no provider yet: nothing to check but the slot
+    provider = api.trace.get_tracer_provider()
+    if isinstance(provider, api.unset):
+        return None
+    return provider.get_tracer(name, version)
+
+
 class _Instruments:
     """The library's instruments on one meter provider, and the caches they report."""
 
@@ -162,13 +175,7 @@ class Telemetry:
         """The tracer for the cache's spans, or None: no span (no provider configured)."""
         tracer = self.tracer
         if tracer is None and self.follows_global:
-            api = self.api
-            if api.watch_slot and api.trace._TRACER_PROVIDER is None:
-                return None  # no provider yet: nothing to check but the slot
-            provider = api.trace.get_tracer_provider()
-            if isinstance(provider, self.api.unset):
-                return None  # set once per process: until then, spans would go nowhere
-            tracer = self.tracer = provider.get_tracer(NAME, VERSION)
+            tracer = self.tracer = _global_tracer(NAME, VERSION)
         return tracer
 
     def call(self, name: str, digest: str, *, current: bool) -> Call:

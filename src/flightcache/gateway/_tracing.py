@@ -9,7 +9,9 @@ its attributes: ``http.request.method``, ``http.route`` (cached routes), ``url.p
 ``flightcache.key`` (the key digest, never the body), ``flightcache.age_s`` (on a hit). A
 5xx answer, or one broken off, sets the span's status to error. Without the package
 nothing is recorded; with it and no tracer provider configured, the API's no-op tracer
-records nothing either. ``make_app(tracer_provider=...)`` uses a provider of its own.
+records nothing either, and the gateway makes no span at all until a provider is configured
+(it looks for one at each request: the API's no-op span cost 20 us a request).
+``make_app(tracer_provider=...)`` uses a provider of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._types import UNSET
+from ..telemetry import _global_tracer
 
 try:
     from opentelemetry import propagate, trace
@@ -58,18 +61,27 @@ class RequestSpan:
 
 
 class Tracing:
-    """The tracer of one app (None without the package)."""
+    """The tracer of one app: the provider given to it, else the global one once configured
+    (None without the package: no spans)."""
 
     def __init__(self, provider: Any = UNSET) -> None:
         """``provider``: a tracer provider; UNSET or None for the global one."""
         self._tracer: Any = None
-        if trace is not None:
-            given = None if provider is UNSET else provider
-            self._tracer = trace.get_tracer("flightcache.gateway", tracer_provider=given)
+        self._global = trace is not None and (provider is UNSET or provider is None)
+        if trace is not None and not self._global:
+            self._tracer = trace.get_tracer("flightcache.gateway", tracer_provider=provider)
+
+    def _current(self) -> Any:
+        """The tracer for a request now: until the process configures a global provider,
+        None (the API's no-op tracer would record nothing, and cost 20 us a request)."""
+        if self._tracer is None and self._global:
+            self._tracer = _global_tracer("flightcache.gateway")
+        return self._tracer
 
     @contextlib.contextmanager
     def request(self, scope: Mapping[str, Any], route: str | None) -> Iterator[RequestSpan]:
-        if self._tracer is None:
+        tracer = self._current()
+        if tracer is None:
             yield RequestSpan(None)
             return
         method, path = scope["method"], scope["path"]
@@ -79,7 +91,7 @@ class Tracing:
         attributes: dict[str, Any] = {"http.request.method": method, "url.path": path}
         if route:
             attributes |= {"http.route": path, "flightcache.route": route}
-        with self._tracer.start_as_current_span(
+        with tracer.start_as_current_span(
             name, context=parent, kind=SpanKind.SERVER, attributes=attributes
         ) as span:
             yield RequestSpan(span)
