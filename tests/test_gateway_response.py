@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.bodies: list[str] = []  # how each body ended: "done", "cancelled", "closed"
         self.requests: list[str] = []  # how each request's app call ended
+        self.background: list[str] = []  # each response's background task, once it ran
 
     def add(self, where: list[str], what: str) -> None:
         with self.lock:
@@ -62,7 +64,8 @@ def make_app(rec: Recorder) -> Any:
 
     async def stream(request: Request) -> Response:
         forever = request.query_params.get("forever") == "1"
-        return StreamedBody(events(forever), media_type="text/event-stream")
+        after = BackgroundTask(rec.add, rec.background, "ran")
+        return StreamedBody(events(forever), media_type="text/event-stream", background=after)
 
     async def tasks(request: Request) -> Response:
         return JSONResponse(len(asyncio.all_tasks()))
@@ -109,6 +112,7 @@ async def test_a_client_that_hangs_up_stops_the_body_at_once_and_its_request_end
                     break  # leaving the block closes the connection mid-answer
     assert rec.wait(rec.bodies, 1, timeout=2.0) == ["cancelled"]
     assert rec.wait(rec.requests, 1, timeout=2.0) == ["returned"]
+    assert rec.wait(rec.background, 1, timeout=2.0) == ["ran"]  # as after a whole answer
 
 
 async def test_a_body_that_ends_is_whole_and_its_request_ends_normally(served: Any) -> None:
@@ -119,6 +123,7 @@ async def test_a_body_that_ends_is_whole_and_its_request_ends_normally(served: A
             assert answer.text == "data: one\n\ndata: two\n\n"
     assert rec.wait(rec.bodies, 20) == ["done"] * 20
     assert rec.wait(rec.requests, 20) == ["returned"] * 20
+    assert rec.wait(rec.background, 20) == ["ran"] * 20
 
 
 async def test_a_body_that_ends_leaves_no_task_behind_whatever_the_server_receive_does() -> None:

@@ -52,8 +52,7 @@ class StreamedBody(StreamingResponse):
         except asyncio.CancelledError:
             if not left or task.uncancel() > 0:  # cancelled from outside too: let it go on
                 raise
-            return
         finally:
             watcher.cancel()
-        if self.background is not None:
+        if self.background is not None:  # after a hang-up too, as Starlette's
             await self.background()
