@@ -1,10 +1,13 @@
 """What the scale phases read off the server while they run: how many connections a
-process holds (``CLIENT LIST``) and which commands the server ran (``INFO commandstats``)."""
+process holds (``CLIENT LIST``) and which commands the server ran (``INFO commandstats``);
+and off this machine: how long a process waited for a CPU (``runqueue_wait_s``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
+import math
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -66,3 +69,37 @@ async def _commandstats(ctl: aioredis.Redis) -> dict[str, int]:
     """``INFO commandstats`` calls, without the bench's own and connection setup."""
     calls = command_calls(await ctl.info("commandstats"))
     return {n: v for n, v in calls.items() if n not in CONTROL_COMMANDS | SETUP_COMMANDS}
+
+
+async def local_server_pid(ctl: aioredis.Redis) -> int | None:
+    """The server's process id, if it runs on this machine (its command line names its
+    port); None otherwise."""
+    info = await ctl.info("server")
+    pid = int(info["process_id"])
+    return pid if str(info["tcp_port"]).encode() in _cmdline(pid) else None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def runqueue_wait_s(pid: int | None) -> float:
+    """Seconds the threads of process ``pid`` have spent runnable but waiting for a CPU
+    (Linux ``/proc/<pid>/task/*/schedstat``, second field, ns; its threads that ended are not
+    counted); NaN where the kernel does not keep it. The share of a latency tail that is the
+    machine's: a process ready to run that no CPU takes."""
+    if pid is None:
+        return math.nan
+    total = 0
+    try:
+        for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            with contextlib.suppress(FileNotFoundError):  # (a thread that ended meanwhile)
+                with open(path) as f:
+                    total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return math.nan
+    return total / 1e9 if glob.glob(f"/proc/{pid}/task") else math.nan

@@ -5,6 +5,7 @@ gateway's many distinct streams; its targets, and whether the run was broken."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._report import _row, _target
@@ -34,6 +35,20 @@ def _warnings(whose: str, rows: list[dict[str, Any]], since: float, event: str) 
             f"     {whose} log: {row['count']} x {row['message'][:90]!r}, first "
             f"{row['first'] - since:+.1f} s after {event}"
         )
+
+
+def _cpu(phase: dict[str, Any]) -> None:
+    """A many-keys phase's CPU, and how long each process was ready to run with no CPU to
+    run on: the machine's share of its lag (NaN where the kernel does not say)."""
+    ph = phase["follow_phase"]
+    print(
+        f"     CPU from the follower's start to the last call's end ({ph['seconds']:.1f} s): "
+        f"follower {ph['follower_cpu_s']:.1f} s, owner {ph['owner_cpu_s']:.1f} s, server "
+        f"{ph['server_cpu_s']:.1f} s; ready to run but waiting for a CPU: follower "
+        f"{ph.get('follower_runqueue_wait_s', math.nan):.2f} s, owner "
+        f"{ph.get('owner_runqueue_wait_s', math.nan):.2f} s, server "
+        f"{ph.get('server_runqueue_wait_s', math.nan):.2f} s"
+    )
 
 
 def print_scale(k: dict[str, Any]) -> None:
@@ -83,6 +98,7 @@ def print_scale(k: dict[str, Any]) -> None:
         f"back more than 1 s after the owner's callers: {m['follower_after_owner_over_1s']}"
     )
     _floor(m)
+    _cpu(m)
     sd, t = k["many_keys_steady"], k["many_keys_ending_together"]
     for phase, how in (
         (
@@ -104,6 +120,7 @@ def print_scale(k: dict[str, Any]) -> None:
             ("the one-key baseline", phase["wake_lag_ratio"], 1),
         )
         _floor(phase)
+        _cpu(phase)
     fl = t["plain"]
     print(
         f"     baseline, the same processes with plain redis-py: {fl['keys']} SET+PUBLISH in one "
@@ -123,12 +140,6 @@ def print_scale(k: dict[str, Any]) -> None:
             f"{g['total_ms']:.0f} ms in all, longest {g['max_ms']:.0f} ms; over 20 ms once the "
             f"first loader ended: {len(late)}"
         )
-    ph = m["follow_phase"]
-    print(
-        f"     CPU from the follower's start to the last call's end ({ph['seconds']:.1f} s): "
-        f"follower {ph['follower_cpu_s']:.1f} s, owner {ph['owner_cpu_s']:.1f} s, server "
-        f"{ph['server_cpu_s']:.1f} s"
-    )
     for role, process in (("owner", o), ("follower", f)):
         _warnings(f"{role}'s", process["warnings"], m["follow_started_at"], "the follower started")
     print(

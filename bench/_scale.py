@@ -46,7 +46,7 @@ from ._gateway import (
     _server_cpu,
 )
 from ._orders import Worker
-from ._probes import ConnectionPeak, _commandstats
+from ._probes import ConnectionPeak, _commandstats, local_server_pid, runqueue_wait_s
 from ._scale_misses import run_misses
 from ._scale_streams import run_streams
 from ._util import delta, summary
@@ -193,7 +193,9 @@ async def _many_keys(
 
     follower_peak = ConnectionPeak(ctl, follower.pid)
     owner_peak = ConnectionPeak(ctl, owner.pid, interval=0.5)
+    pids = (follower.pid, owner.pid, await local_server_pid(ctl))
     follow_cpu = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
+    waits = [runqueue_wait_s(pid) for pid in pids]
     async with follower_peak.running(), owner_peak.running():
         started = await follower.ask({"op": "follow", "prefix": prefix, "keys": keys}, 10)
         first_end = claimed["all_running_at"] - claimed["claim_s"] + loader_s  # at the earliest
@@ -204,6 +206,7 @@ async def _many_keys(
         got = await follower.ask({"op": "results", "timeout": left}, left + 10)
     own = await owner.ask({"op": "results", "timeout": 60}, 70)
     followed_cpu = (_cpu_seconds(follower.pid), _cpu_seconds(owner.pid), await _server_cpu(ctl))
+    waits = [runqueue_wait_s(pid) - before for pid, before in zip(pids, waits, strict=True)]
     follow_s = time.monotonic() - started["started_at"]
     # The follower's return minus the owner's own return, per key: what the wake channel
     # adds once the owner's complete_flight has answered (negative: the follower was first).
@@ -254,6 +257,11 @@ async def _many_keys(
                 for name, before, after in zip(
                     ("follower", "owner", "server"), follow_cpu, followed_cpu, strict=True
                 )
+            },
+            # ready to run, no CPU free: the machine's share of the lag (NaN off Linux)
+            **{
+                f"{name}_runqueue_wait_s": wait
+                for name, wait in zip(("follower", "owner", "server"), waits, strict=True)
             },
         },
         "memory": memory,
