@@ -44,6 +44,10 @@ MUTANTS = {
         "a flight bound by a renewal (bind_leases) is not given up when its session is "
         "refused or lapses: its loader runs on"
     ),
+    "no-give-back": (
+        "an owner whose lease ran out before its bind's answer came gives the flight up "
+        "without giving it back (it stays bound to a session that lives on)"
+    ),
     "join-keeps-dead-meta": (
         "join_flight follows a meta whose session is dead, as if it were live (no DEL)"
     ),

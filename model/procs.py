@@ -488,6 +488,8 @@ def _run_steps(m: Model, world: World, pid: int, proc: Proc) -> Iterator[Step]:
         yield f"p{pid} loader returns {shown}", (pid, "loader"), w, tuple(why)
     if proc.timer == 0 and not proc.refused and _binds(m, proc):
         yield _bind(m, world, pid, proc)
+        if world.budget.late:
+            yield _bind_heard_late(m, world, pid, proc)
     elif proc.timer == 0 and not proc.refused:
         t = m.t
         ttl, every = (t.backstop, t.backstop_renew) if proc.bound else (t.lease, t.renew)
@@ -530,6 +532,30 @@ def _bind(m: Model, world: World, pid: int, proc: Proc) -> Step:
     shown = {2: "bound", 1: "renewed, unbound", 0: "refused"}[code]
     label = f"p{pid} bind_leases session {proc.epoch} -> {code} ({shown})"
     return label, (pid, "renew"), _put(world, pid, nxt, server), tuple(why)
+
+
+def _bind_heard_late(m: Model, world: World, pid: int, proc: Proc) -> Step:
+    """bind_leases runs, but its answer comes after the flight's proof ran out: the lease is
+    given up (the loader cancelled) and the flight given back, fenced by its token
+    (``Owner._lost``), then joined again. Without the give-back a bound flight would stay
+    live while the node's session does, and every join would follow it until its backstop.
+    (A refused renewal gives its flight back too; that give-back is fenced, a no-op, and
+    ``_give_up`` leaves it out.)"""
+    t = m.t
+    server, _code = scripts.bind_leases(
+        world.server, proc.token, _claim(m, proc), proc.epoch, t.lease, t.backstop, m.mutant
+    )
+    wake: scripts.Wake = ()
+    shown = "given up"
+    if m.mutant != "no-give-back":
+        server, given, wake = scripts.fail_flight(
+            server, proc.token, _claim(m, proc), "reset", m.mutant
+        )
+        shown += ", given back" if given else ", its give-back fenced"
+    w = _put(world, pid, _give_up(m, proc), server, wake=wake)
+    w = w._replace(budget=w.budget._replace(late=w.budget.late - 1))
+    label = f"p{pid} bind_leases session {proc.epoch}, answered too late: {shown}"
+    return label, (pid, "renew"), w, ()
 
 
 def _give_up(m: Model, proc: Proc) -> Proc:

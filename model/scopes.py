@@ -116,6 +116,19 @@ SMALL += (
         "through a server restart, no pause: a follower that learns of a bound takeover "
         "after the restart notices its end within a lease too",
     ),
+    Scope(
+        "sessions-bind-late-2",
+        (("do",), ("do",)),
+        sessions=True,
+        established=False,
+        backstop=False,
+        flights=3,  # (a flight given back is claimed again: one more)
+        budget=Budget(late=1),
+        symmetry=False,  # liveness is checked too: the flight given up is claimed again
+        doc="fresh nodes whose bind may be answered after the flight's proof ran out (it "
+        "ran on the server): the flight, given up, is given back, or it stays bound to a "
+        "session that lives on (the backstop B unbounded: nothing else would end it)",
+    ),
 )
 
 LIVENESS = (
@@ -313,6 +326,9 @@ MUTANT_SCOPES = {
     # A flight bound by a renewal whose session is refused (the restart lost its key) has
     # a loader that runs on: the session's refusal is its renewal's.
     "bind-not-given-up": "sessions-restart-notice-2",
+    # A flight given up for a late answer and not given back stays bound to its owner's
+    # live session: with B unbounded every join follows it for ever (liveness).
+    "no-give-back": "sessions-bind-late-2",
 }
 
 KNOWN_ISSUE_SCOPES = {"news-drop": "news-drop-4", "late-liveness": "leases-pause"}

@@ -142,6 +142,7 @@ class Budget(NamedTuple):
     restart: int = 0  # the server restarts empty
     failover: int = 0  # a replica that missed the last write takes over
     close: int = 0  # an owner's cache is closed: it gives the flight back
+    late: int = 0  # a bind answered after the flight's proof ran out (it ran on the server)
 
 
 class World(NamedTuple):

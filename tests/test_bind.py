@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from flightcache import FlightContext
+from flightcache._backends.lane import Abandoned
 from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
 from flightcache._protocol.session import Session
@@ -158,6 +160,63 @@ async def test_a_flight_bound_after_its_claim_is_given_up_with_its_session(
     loaders.release.set()
     results = await asyncio.wait_for(asyncio.gather(*calls), 15)
     assert results == [f"v{i}:2" for i in range(BURST)]
+
+
+async def test_flights_whose_bind_was_answered_too_late_are_given_back_and_claimed_again_at_once(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """The bind of unbound flights runs on the server, but its answer is not back before
+    their leases run out (a slow link, a starved thread: the bench's burst of 10,000 once
+    lost 1,169 so): they are given up here while the server holds them bound to a session
+    that other flights keep alive, so a join would follow them until the backstop (30 s)
+    lapsed. Each is given back as it is given up (fenced by its token) and claimed again at
+    once."""
+    fc = make_cache(lease=LEASE_S, near_cache=False)  # (the default backstop: 30 s)
+    renewals = fc._flights.owner.renewals
+    lane = renewals._lane = renewals.conn.sync_lane("renew")
+    send = lane.calls
+    withheld: list[str] = []  # the metas of the flights whose bind was not answered in time
+
+    def late(lua: Any, batch: Any, patience: Any) -> Any:
+        replies = send(lua, batch, patience)  # (run by the server)
+        if lua is LUA["bind_leases"] and not withheld:
+            withheld.extend(batch[0][0][::3])
+            while (limit := patience()) is not None:  # the answer on its way, until too late
+                time.sleep(min(limit, 0.01))  # (on the renewals' thread)
+            raise Abandoned()
+        return replies
+
+    lane.calls = late  # type: ignore[method-assign]
+    loaders = Loaders()
+    with _renewals_held(fc):
+        calls = await _burst(fc, loaders)
+        assert (await _bound_epochs(fc, redis_client)).count(None) == BURST
+    # A flight claimed once the session is up is bound at its claim and keeps the session
+    # alive while the burst's are given up (an idle node would let it lapse, and with it
+    # every flight bound to it, which would hide what this test is about).
+    session = await _usable_session(fc)
+    kept = asyncio.Event()
+
+    async def keep() -> str:
+        await kept.wait()
+        return "kept"
+
+    keeper = asyncio.ensure_future(fc.do("keeper", keep))
+    for _ in range(50):  # bounded: 5 s; the leases run out one lease after their claims
+        if withheld and fc.stats["lease_lost"] == len(withheld):
+            break
+        await asyncio.sleep(0.1)
+    assert len(withheld) == BURST
+    assert fc.stats["lease_lost"] == BURST
+    keeper_epoch = await redis_client.hget(fc.keyspace.flight("keeper").meta, "se")
+    assert keeper_epoch == session.epoch.encode()  # (bound at its claim: the session's)
+    loaders.release.set()
+    # Without the give-back, the calls would follow their flights for the backstop.
+    results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    assert not session.ended
+    assert results == [f"v{i}:2" for i in range(BURST)]
+    kept.set()
+    assert await keeper == "kept"
 
 
 async def test_a_follower_of_a_flight_bound_after_its_claim_watches_the_session(

@@ -113,6 +113,7 @@ CAUGHT_BY = {
     "watch-binds-across-gap": "follower_notices_within_lease",
     "bind-ignores-epoch": "owner_view_within_servers",
     "bind-not-given-up": "stale_owner_stops",
+    "no-give-back": "",
 }
 
 
