@@ -92,14 +92,12 @@ def runqueue_wait_s(pid: int | None) -> float:
     (Linux ``/proc/<pid>/task/*/schedstat``, second field, ns; its threads that ended are not
     counted); NaN where the kernel does not keep it. The share of a latency tail that is the
     machine's: a process ready to run that no CPU takes."""
-    if pid is None:
+    paths = glob.glob(f"/proc/{pid}/task/*/schedstat") if pid is not None else []
+    if not paths:
         return math.nan
     total = 0
-    try:
-        for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-            with contextlib.suppress(FileNotFoundError):  # (a thread that ended meanwhile)
-                with open(path) as f:
-                    total += int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return math.nan
-    return total / 1e9 if glob.glob(f"/proc/{pid}/task") else math.nan
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):  # (a thread that ended meanwhile)
+            with open(path) as f:
+                total += int(f.read().split()[1])
+    return total / 1e9

@@ -5,7 +5,6 @@ gateway's many distinct streams; its targets, and whether the run was broken."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ._report import _row, _target
@@ -45,9 +44,9 @@ def _cpu(phase: dict[str, Any]) -> None:
         f"     CPU from the follower's start to the last call's end ({ph['seconds']:.1f} s): "
         f"follower {ph['follower_cpu_s']:.1f} s, owner {ph['owner_cpu_s']:.1f} s, server "
         f"{ph['server_cpu_s']:.1f} s; ready to run but waiting for a CPU: follower "
-        f"{ph.get('follower_runqueue_wait_s', math.nan):.2f} s, owner "
-        f"{ph.get('owner_runqueue_wait_s', math.nan):.2f} s, server "
-        f"{ph.get('server_runqueue_wait_s', math.nan):.2f} s"
+        f"{ph['follower_runqueue_wait_s']:.2f} s, owner "
+        f"{ph['owner_runqueue_wait_s']:.2f} s, server "
+        f"{ph['server_runqueue_wait_s']:.2f} s"
     )
 
 
