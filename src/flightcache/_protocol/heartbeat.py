@@ -17,11 +17,12 @@ their leases in the :class:`_Book` here.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import operator
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .._errors import FlightError
@@ -121,6 +122,15 @@ class _Book:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._leases: dict[int, Lease] = {}
+        self._alone: dict[int, Lease] = {}  # those renewed alone (a session or two)
+        # When each lease falls due: a heap of (next_due, id) per window length, so a wake-up
+        # looks at the leases due, not at every lease held (docs/protocol.md, "Batched
+        # renewals"). A lease's next renewal only ever moves later, so an entry at or before
+        # it is met in time; an entry met early is put back at the lease's time, an entry of
+        # a lease gone is dropped. Leases registered wait in `_arrived` until the renewer
+        # queues them (the thread's queues are its own; a registration only appends).
+        self._queues: dict[float, list[tuple[float, int]]] = {}
+        self._arrived: list[Lease] = []
         self.batches = 0
 
     def __len__(self) -> int:
@@ -162,26 +172,89 @@ class _Book:
     def _register(self, lease: Lease) -> None:
         raise NotImplementedError
 
+    def _admit(self, lease: Lease) -> None:
+        """Book ``lease`` (under the renewer's lock, if it has one)."""
+        self._leases[id(lease)] = lease
+        if lease.alone:
+            self._alone[id(lease)] = lease
+        self._arrived.append(lease)
+
     def remove(self, lease: Lease) -> None:
         """The lease needs no more renewals (its loader ended); a batch already on the wire
         may still renew it once, which is harmless, and its answer is ignored. Its loader's
         context is no longer told of a give-up: that breaks the reference cycle between
         the two, so a flight's objects are freed when it ends, not by a full cyclic GC."""
         self._leases.pop(id(lease), None)
+        self._alone.pop(id(lease), None)
         lease.on_give_up = None
 
     def _give_up(self, lease: Lease, reason: str) -> None:
         self._leases.pop(id(lease), None)
+        self._alone.pop(id(lease), None)
         lease.give_up(reason)
 
-    def _due(self, now: float, leases: list[Lease] | None = None) -> list[Lease]:
-        """Every lease (of ``leases``, a copy of the book's taken under its lock; default:
-        the book's) due by ``now`` (a busy process may be late: all the late ones go in
-        this batch) and those due within their window (half their interval, or less)."""
-        due: list[Lease] = []
-        for part in self._parts(list(self._leases.values()) if leases is None else leases):
-            due += [lease for lease in part if lease.next_due - now <= lease.window_s]
-        return due
+    def _kept(self) -> list[Lease]:
+        """The leases renewed alone (a copy: under the renewer's lock, if it has one)."""
+        return [lease for key, lease in self._alone.items() if key in self._leases]
+
+    def _queue(self, leases: Iterable[Lease]) -> None:
+        """Queue ``leases`` (arrived, or back from a batch) at their next renewal, those
+        still held."""
+        held = self._leases
+        for lease in leases:
+            key = id(lease)
+            if held.get(key) is lease:
+                queue = self._queues.get(lease.window_s)
+                if queue is None:
+                    queue = self._queues[lease.window_s] = []
+                heapq.heappush(queue, (lease.next_due, key))
+
+    def _next_due(self, arrived: list[Lease]) -> float | None:
+        """When the earliest lease held falls due (None: none is held), with ``arrived``
+        (taken from ``_arrived``) queued first. Entries met early are put back at their
+        lease's time, entries of leases gone dropped: each entry is met once a renewal."""
+        self._queue(arrived)
+        held = self._leases
+        moved: list[Lease] = []  # renewed alone meanwhile, or narrowed: due later
+        dues: list[float] = []
+        for queue in self._queues.values():
+            while queue:
+                due, key = queue[0]
+                lease = held.get(key)
+                if lease is not None and lease.next_due <= due:
+                    dues.append(due)
+                    break
+                heapq.heappop(queue)
+                if lease is not None:
+                    moved.append(lease)
+        self._queue(moved)
+        dues += [lease.next_due for lease in moved]
+        return min(dues, default=None)
+
+    def _due(self, now: float) -> list[Lease]:
+        """Every lease due by ``now`` (a busy process may be late: all the late ones go in
+        this batch) and those due within their window (half their interval, or less), taken
+        off the queues: the renewer queues them again once the batch is settled (``_queue``,
+        whatever became of it). Looks at those leases only, and at entries due within each
+        queue's window."""
+        held = self._leases
+        taken: list[Lease] = []
+        seen: set[int] = set()
+        later: list[Lease] = []
+        for window, queue in self._queues.items():
+            horizon = now + window
+            while queue and queue[0][0] <= horizon:
+                _, key = heapq.heappop(queue)
+                lease = held.get(key)
+                if lease is None or key in seen:
+                    continue  # its loader ended, or it was queued twice
+                seen.add(key)
+                if lease.next_due - now <= lease.window_s:
+                    taken.append(lease)
+                else:  # not due yet: its renewal moved later, or its window narrowed
+                    later.append(lease)
+        self._queue(later)
+        return taken
 
     def _parts(self, seq: Sequence[T]) -> Iterator[Sequence[T]]:
         """``seq`` in slices of ``BREATHE_EVERY``, with a breath between two."""
@@ -247,7 +320,6 @@ class _Book:
                 lease.next_due = sent + lease.interval_s
 
 
-_NEXT_DUE = operator.attrgetter("next_due")
 _PROVEN_UNTIL = operator.attrgetter("proven_until")
 _LEASE_S = operator.attrgetter("lease_s")
 
@@ -265,7 +337,7 @@ class Renewer(_Book):
         self._task: asyncio.Task[None] | None = None
 
     def _register(self, lease: Lease) -> None:
-        self._leases[id(lease)] = lease
+        self._admit(lease)
         self._changed.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -279,7 +351,10 @@ class Renewer(_Book):
     async def _run(self) -> None:
         while self._leases:
             now = self._clock()
-            due = min(map(_NEXT_DUE, self._leases.values()))
+            arrived, self._arrived = self._arrived, []
+            due = self._next_due(arrived)
+            if due is None:
+                break  # (the leases ended meanwhile)
             if due > now:
                 self._changed.clear()
                 try:  # a new lease may be due sooner: look again when one arrives
@@ -288,8 +363,11 @@ class Renewer(_Book):
                 except asyncio.TimeoutError:
                     pass  # the timer says `due` has come, whatever the clock reads
             batch = self._due(max(self._clock(), due))
-            if batch:  # (empty when the leases due ended while we waited)
-                await self._renew_batch(batch)
+            try:
+                if batch:  # (empty when the leases due ended while we waited)
+                    await self._renew_batch(batch)
+            finally:
+                self._queue(batch)
 
     async def _renew_batch(self, batch: list[Lease]) -> None:
         self.batches += 1

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .._errors import FlightError
-from .heartbeat import _LEASE_S, _NEXT_DUE, _PROVEN_UNTIL, Lease, _Book
+from .heartbeat import _LEASE_S, _PROVEN_UNTIL, Lease, _Book
 
 log = logging.getLogger("flightcache.heartbeat")
 
@@ -56,7 +56,7 @@ class ThreadRenewer(_Book):
 
     def _register(self, lease: Lease) -> None:
         with self._lock:
-            self._leases[id(lease)] = lease
+            self._admit(lease)
             if lease.next_due < self._wake_at:
                 self._lock.notify()
             if self._thread is None:
@@ -84,6 +84,7 @@ class ThreadRenewer(_Book):
     def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
         with self._lock:
             self._leases.pop(id(lease), None)
+            self._alone.pop(id(lease), None)
         with contextlib.suppress(RuntimeError):  # (its loop closed: nothing runs to stop)
             lease._work.get_loop().call_soon_threadsafe(lease.give_up, reason)
 
@@ -100,37 +101,46 @@ class ThreadRenewer(_Book):
 
     def _main(self) -> None:
         while True:
+            # The queues are this thread's: a registration only appends to `_arrived`, and
+            # a wake-up looks at the leases due, not at every lease held.
             with self._lock:
-                while True:
+                if self._closing:
+                    return
+                arrived, self._arrived = self._arrived, []
+                kept = self._kept()  # (a session or two)
+            now = self._clock()
+            due = self._next_due(arrived)
+            if due is None or due > now:
+                with self._lock:
                     if self._closing:
                         return
-                    now = self._clock()
-                    leases = list(self._leases.values())  # (filtered out of the lock)
-                    due = min(map(_NEXT_DUE, leases), default=None)
-                    if due is None:
-                        self._wake_at = math.inf
-                        self._lock.wait()  # no flight owned: until one is
-                    elif due > now:
-                        self._wake_at = due
-                        self._lock.wait(due - now)  # heartbeat interval
-                    else:
+                    if not self._arrived:  # (else they are queued first)
+                        self._wake_at = math.inf if due is None else due
+                        # no flight owned: until one is; else the heartbeat interval
+                        self._lock.wait(None if due is None else due - now)
                         self._wake_at = -math.inf  # busy: it looks again before it sleeps
-                        break
+                continue
             # A lease removed meanwhile may still be renewed once: harmless (remove()).
-            batch = self._hold_if_stalled(self._due(max(now, due), leases))
-            kept = [lease for lease in leases if lease.alone]  # (a session or two)
-            if kept:
-                self._renew_batch([lease for lease in batch if lease.alone])
-                batch = [lease for lease in batch if not lease.alone]
-            for start in range(0, len(batch), SLICE):
-                if start and kept:  # one kept alone that fell due meanwhile goes first
-                    now = self._clock()
-                    self._renew_batch(
-                        self._hold_if_stalled(
-                            [x for x in kept if x.next_due <= now and id(x) in self._leases]
-                        )
+            taken = self._due(max(now, due))
+            try:
+                self._renew_taken(taken, kept)
+            finally:
+                self._queue(taken)  # (those still held, at their next renewal)
+
+    def _renew_taken(self, taken: list[Lease], kept: list[Lease]) -> None:
+        batch = self._hold_if_stalled(taken)
+        if kept:
+            self._renew_batch([lease for lease in batch if lease.alone])
+            batch = [lease for lease in batch if not lease.alone]
+        for start in range(0, len(batch), SLICE):
+            if start and kept:  # one kept alone that fell due meanwhile goes first
+                now = self._clock()
+                self._renew_batch(
+                    self._hold_if_stalled(
+                        [x for x in kept if x.next_due <= now and id(x) in self._leases]
                     )
-                self._renew_batch(batch[start : start + SLICE])
+                )
+            self._renew_batch(batch[start : start + SLICE])
 
     def _hold_if_stalled(self, batch: list[Lease]) -> list[Lease]:
         """The leases of ``batch`` to renew: none whose loader's loop has not run for
