@@ -88,25 +88,48 @@ class RenewalQueues(RuleBasedStateMachine):
     def wait(self, dt: float) -> None:
         self.now += dt
 
-    @rule(late=st.booleans())
-    def tick(self, late: bool) -> None:
-        arrived, self.book._arrived = self.book._arrived, []
-        due = self.book._next_due(arrived)
+    @rule(data=st.data(), early=st.floats(0, 0.6))
+    def wait_for_one(self, data: st.DataObject, early: float) -> None:
+        """Until shortly before a lease's next renewal: inside windows, narrowed or not."""
+        held = self._held()
+        if held:
+            lease = data.draw(st.sampled_from(held))
+            self.now = max(self.now, lease.next_due - early)
+
+    @rule(late=st.booleans(), limit=st.sampled_from([1, 3, 200]))
+    def tick(self, late: bool, limit: int) -> None:
+        """A tick, in slices of up to ``limit`` flights (the sessions due first in each;
+        one held back may be due again), until a slice is not full."""
+        book = self.book
+        arrived, book._arrived = book._arrived, []
+        kept = book._kept()
+        due = book._next_due(arrived, kept)
         held = self._held()
         assert due == min((x.next_due for x in held), default=None)
         if due is None or due > self.now:
             return
         now = max(self.now, due)
         expected = {id(x) for x in held if x.next_due - now <= x.window_s}
-        taken = self.book._due(now)
-        assert len(taken) == len({id(x) for x in taken})  # each once
-        assert {id(x) for x in taken} == expected
-        for lease in taken:  # settled: the next renewal one interval on (or held back)
-            lease.next_due = now + (0.1 if late else lease.interval_s)
-        self.book._queue(taken)
+        sessions = {id(x) for x in held if x.alone and id(x) in expected}
+        ticked: list[Lease] = []  # queued again when the tick ends, as the thread does
+        while True:
+            taken = book._due(now, book._kept(), limit)
+            assert all(x.next_due - now <= x.window_s for x in taken)
+            flights = [x for x in taken if not x.alone]
+            assert len(flights) <= limit
+            if not ticked:
+                assert {id(x) for x in taken if x.alone} == sessions  # first, all of them
+            ticked += flights
+            for lease in taken:  # settled: the next renewal one interval on (or held back)
+                lease.next_due = now + (0.1 if late else lease.interval_s)
+            if len(flights) < limit:
+                break
+        book._queue(ticked)
+        assert len(ticked) == len({id(x) for x in ticked})  # each flight once a tick
+        assert {id(x) for x in ticked} == expected - sessions
 
     @invariant()
-    def every_lease_held_is_queued_at_or_before_its_renewal(self) -> None:
+    def every_flight_held_is_queued_at_or_before_its_renewal(self) -> None:
         if not hasattr(self, "book"):
             return
         if self.book._arrived:
@@ -116,6 +139,9 @@ class RenewalQueues(RuleBasedStateMachine):
             for due, key in queue:
                 entries[key] = min(due, entries.get(key, due))
         for lease in self._held():
+            if lease.alone:
+                assert id(lease) not in entries  # (looked at every time, not queued)
+                continue
             assert entries.get(id(lease), float("inf")) <= lease.next_due
 
 
@@ -126,6 +152,30 @@ TestRenewalQueues.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_lease_whose_window_narrowed_is_taken_by_its_own_and_stays_queued() -> None:
+    """A flight bound after its claim has its window narrowed (``shape_bound``) while it
+    sits in its old window's queue: a tick within the old window but not the new one leaves
+    it for its own time, and it is taken then."""
+    now = [10.0]
+    loop = asyncio.new_event_loop()
+    try:
+        book = _Plain(lambda: now[0])
+        first = book.add(loop.create_future(), lease_s=3.0, digest="a", tied=False)
+        bound = book.add(loop.create_future(), lease_s=3.0, digest="b", granted_at=10.3, tied=False)
+        arrived, book._arrived = book._arrived, []
+        assert book._next_due(arrived, []) == 11.0  # (both queued, window 0.5)
+        bound.window_s = 0.1
+        now[0] = 11.0
+        assert book._due(11.0, []) == [first]  # 11.3 is within 0.5, not within 0.1
+        first.next_due = 12.0
+        book._queue([first])
+        assert book._next_due([], []) == 11.3
+        now[0] = 11.3
+        assert book._due(11.3, []) == [bound]
+    finally:
+        loop.close()
 
 
 def _thread_cpu(renewer: ThreadRenewer) -> float:

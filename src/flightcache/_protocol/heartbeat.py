@@ -20,6 +20,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import operator
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -123,12 +124,13 @@ class _Book:
         self._clock = clock
         self._leases: dict[int, Lease] = {}
         self._alone: dict[int, Lease] = {}  # those renewed alone (a session or two)
-        # When each lease falls due: a heap of (next_due, id) per window length, so a wake-up
-        # looks at the leases due, not at every lease held (docs/protocol.md, "Batched
-        # renewals"). A lease's next renewal only ever moves later, so an entry at or before
-        # it is met in time; an entry met early is put back at the lease's time, an entry of
-        # a lease gone is dropped. Leases registered wait in `_arrived` until the renewer
-        # queues them (the thread's queues are its own; a registration only appends).
+        # When each flight's lease falls due: a heap of (next_due, id) per window length, so
+        # a wake-up looks at the leases due, not at every lease held (docs/protocol.md,
+        # "Which leases a tick takes"). A lease's next renewal only ever moves later, so an
+        # entry at or before it is met in time; an entry met early is put back at the
+        # lease's time, an entry of a lease gone is dropped. Leases registered wait in
+        # `_arrived` until the renewer queues them (the thread's queues are its own: a
+        # registration only appends). Those renewed alone are looked at every time.
         self._queues: dict[float, list[tuple[float, int]]] = {}
         self._arrived: list[Lease] = []
         self.batches = 0
@@ -177,7 +179,8 @@ class _Book:
         self._leases[id(lease)] = lease
         if lease.alone:
             self._alone[id(lease)] = lease
-        self._arrived.append(lease)
+        else:
+            self._arrived.append(lease)
 
     def remove(self, lease: Lease) -> None:
         """The lease needs no more renewals (its loader ended); a batch already on the wire
@@ -199,20 +202,21 @@ class _Book:
 
     def _queue(self, leases: Iterable[Lease]) -> None:
         """Queue ``leases`` (arrived, or back from a batch) at their next renewal, those
-        still held."""
+        still held (and not renewed alone: those are not queued)."""
         held = self._leases
         for lease in leases:
             key = id(lease)
-            if held.get(key) is lease:
+            if held.get(key) is lease and not lease.alone:
                 queue = self._queues.get(lease.window_s)
                 if queue is None:
                     queue = self._queues[lease.window_s] = []
                 heapq.heappush(queue, (lease.next_due, key))
 
-    def _next_due(self, arrived: list[Lease]) -> float | None:
+    def _next_due(self, arrived: list[Lease], kept: Sequence[Lease]) -> float | None:
         """When the earliest lease held falls due (None: none is held), with ``arrived``
-        (taken from ``_arrived``) queued first. Entries met early are put back at their
-        lease's time, entries of leases gone dropped: each entry is met once a renewal."""
+        (taken from ``_arrived``) queued first; ``kept``: those renewed alone (``_kept``).
+        Entries met early are put back at their lease's time, entries of leases gone
+        dropped: each entry is met once a renewal."""
         self._queue(arrived)
         held = self._leases
         moved: list[Lease] = []  # renewed alone meanwhile, or narrowed: due later
@@ -229,21 +233,24 @@ class _Book:
                     moved.append(lease)
         self._queue(moved)
         dues += [lease.next_due for lease in moved]
+        dues += [lease.next_due for lease in kept if id(lease) in held]
         return min(dues, default=None)
 
-    def _due(self, now: float) -> list[Lease]:
+    def _due(self, now: float, kept: Sequence[Lease], limit: float = math.inf) -> list[Lease]:
         """Every lease due by ``now`` (a busy process may be late: all the late ones go in
-        this batch) and those due within their window (half their interval, or less), taken
-        off the queues: the renewer queues them again once the batch is settled (``_queue``,
-        whatever became of it). Looks at those leases only, and at entries due within each
-        queue's window."""
+        this batch) and those due within their window (half their interval, or less): those
+        of ``kept`` first, then up to ``limit`` flights' (the others are taken next time),
+        taken off the queues: the renewer queues them again once the batch is settled
+        (``_queue``, whatever became of it). Looks at those leases only, and at entries
+        due within each queue's window."""
         held = self._leases
-        taken: list[Lease] = []
+        taken = [x for x in kept if x.next_due - now <= x.window_s and id(x) in held]
+        limit += len(taken)
         seen: set[int] = set()
         later: list[Lease] = []
         for window, queue in self._queues.items():
             horizon = now + window
-            while queue and queue[0][0] <= horizon:
+            while queue and queue[0][0] <= horizon and len(taken) < limit:
                 _, key = heapq.heappop(queue)
                 lease = held.get(key)
                 if lease is None or key in seen:
@@ -352,7 +359,8 @@ class Renewer(_Book):
         while self._leases:
             now = self._clock()
             arrived, self._arrived = self._arrived, []
-            due = self._next_due(arrived)
+            kept = self._kept()
+            due = self._next_due(arrived, kept)
             if due is None:
                 break  # (the leases ended meanwhile)
             if due > now:
@@ -362,7 +370,7 @@ class Renewer(_Book):
                     continue
                 except asyncio.TimeoutError:
                     pass  # the timer says `due` has come, whatever the clock reads
-            batch = self._due(max(self._clock(), due))
+            batch = self._due(max(self._clock(), due), kept)
             try:
                 if batch:  # (empty when the leases due ended while we waited)
                     await self._renew_batch(batch)

@@ -25,9 +25,11 @@ log = logging.getLogger("flightcache.heartbeat")
 
 PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flights
 STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renewals
-# The thread renews a long batch in slices of this many leases, each proven from its own
-# send, and renews a lease kept alone (a session) between two slices when it fell due.
-SLICE = 1000
+# The thread takes at most this many flights' leases at a time: a long tick goes out in
+# slices, one after another, each proven from its own send, with the leases kept alone (a
+# session) that fell due renewed first in each. A slice's picking holds the GIL (1,000 due
+# leases off the queues were 3 to 10 ms of Python; a slice's scripts free it as they wait).
+SLICE = 200
 
 
 # A thread's batch: the leases, and how long more to wait for the answer (asked again each
@@ -100,17 +102,20 @@ class ThreadRenewer(_Book):
             thread.join(5)  # at once, or when the batch on the wire is answered
 
     def _main(self) -> None:
+        tick: float | None = None  # a tick still being taken, slice by slice: its time
+        ticked: list[Lease] = []  # its leases taken so far: queued again when it ends
         while True:
             # The queues are this thread's: a registration only appends to `_arrived`, and
             # a wake-up looks at the leases due, not at every lease held.
             with self._lock:
                 if self._closing:
+                    self._queue(ticked)  # (kept for a thread started after this one)
                     return
                 arrived, self._arrived = self._arrived, []
                 kept = self._kept()  # (a session or two)
             now = self._clock()
-            due = self._next_due(arrived)
-            if due is None or due > now:
+            due = self._next_due(arrived, kept)
+            if tick is None and (due is None or due > now):
                 with self._lock:
                     if self._closing:
                         return
@@ -120,27 +125,23 @@ class ThreadRenewer(_Book):
                         self._lock.wait(None if due is None else due - now)
                         self._wake_at = -math.inf  # busy: it looks again before it sleeps
                 continue
+            if tick is None:
+                tick = max(now, due or now)
             # A lease removed meanwhile may still be renewed once: harmless (remove()).
-            taken = self._due(max(now, due))
+            taken = self._due(tick, kept, SLICE)
+            ticked += taken
+            ended = True
             try:
-                self._renew_taken(taken, kept)
+                batch = self._hold_if_stalled(taken)
+                if kept:  # (a session first, in a batch of its own)
+                    self._renew_batch([lease for lease in batch if lease.alone])
+                    batch = [lease for lease in batch if not lease.alone]
+                self._renew_batch(batch)
+                ended = len(taken) - sum(lease.alone for lease in taken) < SLICE
             finally:
-                self._queue(taken)  # (those still held, at their next renewal)
-
-    def _renew_taken(self, taken: list[Lease], kept: list[Lease]) -> None:
-        batch = self._hold_if_stalled(taken)
-        if kept:
-            self._renew_batch([lease for lease in batch if lease.alone])
-            batch = [lease for lease in batch if not lease.alone]
-        for start in range(0, len(batch), SLICE):
-            if start and kept:  # one kept alone that fell due meanwhile goes first
-                now = self._clock()
-                self._renew_batch(
-                    self._hold_if_stalled(
-                        [x for x in kept if x.next_due <= now and id(x) in self._leases]
-                    )
-                )
-            self._renew_batch(batch[start : start + SLICE])
+                if ended:  # (those still held, at their next renewal)
+                    self._queue(ticked)
+                    tick, ticked = None, []
 
     def _hold_if_stalled(self, batch: list[Lease]) -> list[Lease]:
         """The leases of ``batch`` to renew: none whose loader's loop has not run for
