@@ -219,7 +219,7 @@ class _Book:
         dropped: each entry is met once a renewal."""
         self._queue(arrived)
         held = self._leases
-        moved: list[Lease] = []  # renewed alone meanwhile, or narrowed: due later
+        moved: list[Lease] = []  # due later than their entry (an id reused by a later lease)
         dues: list[float] = []
         for queue in self._queues.values():
             while queue:
