@@ -106,6 +106,7 @@ class RenewalQueues(RuleBasedStateMachine):
         due = book._next_due(arrived, kept)
         held = self._held()
         assert due == min((x.next_due for x in held), default=None)
+        assert all(book._queues.values())  # no empty queue kept
         if due is None or due > self.now:
             return
         now = max(self.now, due)

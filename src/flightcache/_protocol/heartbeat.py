@@ -221,7 +221,7 @@ class _Book:
         held = self._leases
         moved: list[Lease] = []  # due later than their entry (an id reused by a later lease)
         dues: list[float] = []
-        for queue in self._queues.values():
+        for window, queue in list(self._queues.items()):
             while queue:
                 due, key = queue[0]
                 lease = held.get(key)
@@ -231,6 +231,8 @@ class _Book:
                 heapq.heappop(queue)
                 if lease is not None:
                     moved.append(lease)
+            if not queue:  # (leases of many lengths come and go: no empty queue is kept)
+                del self._queues[window]
         self._queue(moved)
         dues += [lease.next_due for lease in moved]
         dues += [lease.next_due for lease in kept if id(lease) in held]
