@@ -187,13 +187,17 @@ class _Book:
         may still renew it once, which is harmless, and its answer is ignored. Its loader's
         context is no longer told of a give-up: that breaks the reference cycle between
         the two, so a flight's objects are freed when it ends, not by a full cyclic GC."""
-        self._leases.pop(id(lease), None)
-        self._alone.pop(id(lease), None)
+        self._forget(lease)
         lease.on_give_up = None
 
-    def _give_up(self, lease: Lease, reason: str) -> None:
+    def _forget(self, lease: Lease) -> None:
+        """Unbook ``lease`` (under the renewer's lock, if it has one); its queue entry, if
+        any, is dropped when met."""
         self._leases.pop(id(lease), None)
         self._alone.pop(id(lease), None)
+
+    def _give_up(self, lease: Lease, reason: str) -> None:
+        self._forget(lease)
         lease.give_up(reason)
 
     def _kept(self) -> list[Lease]:

@@ -85,8 +85,7 @@ class ThreadRenewer(_Book):
 
     def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
         with self._lock:
-            self._leases.pop(id(lease), None)
-            self._alone.pop(id(lease), None)
+            self._forget(lease)
         with contextlib.suppress(RuntimeError):  # (its loop closed: nothing runs to stop)
             lease._work.get_loop().call_soon_threadsafe(lease.give_up, reason)
 
