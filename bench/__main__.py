@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loader_s": 6.0,
                 "spread_s": 3.0,
                 "single_rounds": 10,
+                "floor_rounds": 10,
                 "window_s": 2.0,
                 "burst_bound_s": 12.0,
             },
