@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 import uuid
 from collections import Counter
@@ -34,6 +33,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
+from ._probes import _cpu_seconds, _server_cpu
 from ._services import Service, stop_all
 from ._util import median, summary
 
@@ -251,21 +251,6 @@ async def _overhead(
         "not_hit": not_hit,
         "errors": errors,
     }
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process on this machine (Linux /proc), NaN elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return math.nan
-
-
-async def _server_cpu(redis: aioredis.Redis) -> float:
-    info = await redis.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 async def _rate(

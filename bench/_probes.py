@@ -1,6 +1,7 @@
 """What the scale phases read off the server while they run: how many connections a
 process holds (``CLIENT LIST``) and which commands the server ran (``INFO commandstats``);
-and off this machine: how long a process waited for a CPU (``runqueue_wait_s``)."""
+and off this machine: how much CPU a process spent (``_cpu_seconds``; the server's own
+account, ``_server_cpu``) and how long it waited for one (``runqueue_wait_s``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import glob
 import math
+import os
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -101,3 +103,18 @@ def runqueue_wait_s(pid: int | None) -> float:
             with open(path) as f:
                 total += int(f.read().split()[1])
     return total / 1e9
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process on this machine (Linux /proc), NaN elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
+async def _server_cpu(redis: aioredis.Redis) -> float:
+    info = await redis.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])

@@ -50,6 +50,21 @@ def _cpu(phase: dict[str, Any]) -> None:
     )
 
 
+def _gc(phase: dict[str, Any]) -> None:
+    """A many-keys phase's cyclic GC in both workers, from the owner's first claim to the
+    calls' end: a pause stops the process's every thread, and one of a few hundred
+    milliseconds among the ends is in every lag it overlaps."""
+    first_end = phase["owner"]["loader_first_end"] or 0.0
+    for role in ("owner", "follower"):
+        g = phase[role]["gc"]
+        ends = [ms for t, ms in g["over_20ms"] if t >= first_end]
+        print(
+            f"     {role}'s cyclic GC: {g['collections']} collections ({g['gen2']} full), "
+            f"{g['total_ms']:.0f} ms in all, longest {g['max_ms']:.0f} ms; over 20 ms once the "
+            f"first loader ended: {len(ends)}{f', longest {max(ends):.0f} ms' if ends else ''}"
+        )
+
+
 def print_scale(k: dict[str, Any]) -> None:
     one, m, burst = k["single_key"], k["many_keys"], k["owner_burst"]
     f, o = m["follower"], m["owner"]
@@ -98,6 +113,7 @@ def print_scale(k: dict[str, Any]) -> None:
     )
     _floor(m)
     _cpu(m)
+    _gc(m)
     sd, t = k["many_keys_steady"], k["many_keys_ending_together"]
     for phase, how in (
         (
@@ -120,6 +136,7 @@ def print_scale(k: dict[str, Any]) -> None:
         )
         _floor(phase)
         _cpu(phase)
+        _gc(phase)
     fl = t["plain"]
     print(
         f"     baseline, the same processes with plain redis-py: {fl['keys']} SET+PUBLISH in one "
@@ -131,14 +148,6 @@ def print_scale(k: dict[str, Any]) -> None:
         ("  owner's own return - end", fl["owner_return_lag_ms"]),
         ("plain redis-py", t["plain_ratio"], 2),
     )
-    for role, process in (("owner", o), ("follower", f)):
-        g = process["gc"]
-        late = [t for t, _ms in g["over_20ms"] if (o["loader_first_end"] or 0) <= t]
-        print(
-            f"     {role}'s cyclic GC: {g['collections']} collections ({g['gen2']} full), "
-            f"{g['total_ms']:.0f} ms in all, longest {g['max_ms']:.0f} ms; over 20 ms once the "
-            f"first loader ended: {len(late)}"
-        )
     for role, process in (("owner", o), ("follower", f)):
         _warnings(f"{role}'s", process["warnings"], m["follow_started_at"], "the follower started")
     print(

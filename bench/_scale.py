@@ -41,12 +41,15 @@ import redis.asyncio as aioredis
 from flightcache._keys import KeySpace
 
 from . import _orders
-from ._gateway import (
+from ._orders import Worker
+from ._probes import (
+    ConnectionPeak,
+    _commandstats,
     _cpu_seconds,
     _server_cpu,
+    local_server_pid,
+    runqueue_wait_s,
 )
-from ._orders import Worker
-from ._probes import ConnectionPeak, _commandstats, local_server_pid, runqueue_wait_s
 from ._scale_misses import run_misses
 from ._scale_streams import run_streams
 from ._util import delta, summary

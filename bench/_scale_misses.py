@@ -21,8 +21,7 @@ import redis.asyncio as aioredis
 
 from flightcache import FlightCache
 
-from ._gateway import _server_cpu
-from ._probes import _commandstats
+from ._probes import _commandstats, _server_cpu
 from ._rounds import ratio
 from ._stampede import Monitor
 from ._util import SETUP_COMMANDS, delta, median

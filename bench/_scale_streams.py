@@ -34,14 +34,12 @@ from ._gateway import (
     TOKENS_PER_S,
     StreamResult,
     _body,
-    _cpu_seconds,
     _Mock,
     _pick,
-    _server_cpu,
     _start,
     _stream,
 )
-from ._probes import ConnectionPeak
+from ._probes import ConnectionPeak, _cpu_seconds, _server_cpu
 from ._services import Service, stop_all
 from ._util import summary
 
