@@ -18,25 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import logging
 import math
 import operator
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 from .._errors import FlightError
 from .._waits import within
 
 log = logging.getLogger("flightcache.heartbeat")
-T = TypeVar("T")
 
 RETRY_FRACTION = 1.0  # after a failed batch, retry one interval later (as a lone heartbeat did)
-# The renewals' thread lets the loop's thread have the GIL this often while it settles a
-# batch (ten thousand leases are milliseconds of Python; the interpreter alone would switch
-# only after its 5 ms interval, a stall every wake-up arriving then waits out).
-BREATHE_EVERY = 1000
 
 
 class Lease:
@@ -269,13 +263,6 @@ class _Book:
         self._queue(later)
         return taken
 
-    def _parts(self, seq: Sequence[T]) -> Iterator[Sequence[T]]:
-        """``seq`` in slices of ``BREATHE_EVERY``, with a breath between two."""
-        for i in range(0, len(seq), BREATHE_EVERY):
-            if i:
-                self.breathe()
-            yield seq[i : i + BREATHE_EVERY]
-
     def _lapse(self, batch: Sequence[Lease], reason: str) -> list[Lease]:
         """Give up every lease of ``batch`` whose proof ran out; the ones left."""
         now = self._clock()
@@ -312,25 +299,21 @@ class _Book:
             log.info("flight %s: renewal failed, retrying: %r", lease.digest, exc)
             lease.next_due = self._clock() + lease.interval_s * RETRY_FRACTION
 
-    def breathe(self) -> None:
-        """A pause in a long batch's bookkeeping (the thread's lets the loop run)."""
-
     def _settle(self, batch: Sequence[Lease], answers: Sequence[bool], sent: float) -> None:
         if len(answers) != len(batch):
             raise ValueError(f"{len(answers)} answers for {len(batch)} renewals")
         leases = self._leases
-        for start, part in zip(itertools.count(0, BREATHE_EVERY), self._parts(batch)):
-            for lease, ok in zip(part, answers[start : start + BREATHE_EVERY], strict=True):
-                if id(lease) not in leases:
-                    continue  # its loader ended, or it was given up, while the batch was out
-                if not ok:
-                    self._give_up(lease, "another owner holds the flight, or the lease lapsed")
-                    continue
-                lease.renewals += 1
-                if lease.full:
-                    lease.since_full = 0
-                lease.proven_until = sent + lease.lease_s
-                lease.next_due = sent + lease.interval_s
+        for lease, ok in zip(batch, answers, strict=True):
+            if id(lease) not in leases:
+                continue  # its loader ended, or it was given up, while the batch was out
+            if not ok:
+                self._give_up(lease, "another owner holds the flight, or the lease lapsed")
+                continue
+            lease.renewals += 1
+            if lease.full:
+                lease.since_full = 0
+            lease.proven_until = sent + lease.lease_s
+            lease.next_due = sent + lease.interval_s
 
 
 _PROVEN_UNTIL = operator.attrgetter("proven_until")

@@ -27,8 +27,9 @@ PULSE_S = 0.1  # the caller's loop shows it runs this often while it owns flight
 STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renewals
 # The thread takes at most this many flights' leases at a time: a long tick goes out in
 # slices, one after another, each proven from its own send, with the leases kept alone (a
-# session) that fell due renewed first in each. A slice's picking holds the GIL (1,000 due
-# leases off the queues were 3 to 10 ms of Python; a slice's scripts free it as they wait).
+# session) that fell due renewed first in each. A slice's picking and settling hold the GIL
+# (1,000 due leases off the queues were 3 to 10 ms of Python); its scripts free it as they
+# wait for their answers, so the loop's thread gets it between two slices at the latest.
 SLICE = 200
 
 
@@ -79,9 +80,6 @@ class ThreadRenewer(_Book):
         self._pulse = None
         if self._leases:
             self._pulse = asyncio.get_running_loop().call_later(PULSE_S, self._beats)
-
-    def breathe(self) -> None:
-        time.sleep(0)  # the GIL to the loop's thread, if it waits for it
 
     def _give_up(self, lease: Lease, reason: str) -> None:  # on the renewals' thread
         with self._lock:
