@@ -29,7 +29,7 @@ STALL_FRACTION = 2 / 3  # of a lease: a loop silent this long gets no more renew
 # slices, one after another, each proven from its own send, with the leases kept alone (a
 # session) that fell due renewed first in each. A slice's picking and settling hold the GIL
 # (1,000 due leases off the queues were 3 to 10 ms of Python); its scripts free it as they
-# wait for their answers, so the loop's thread gets it between two slices at the latest.
+# wait for their answers, so a loop's thread waiting for it gets it between two slices.
 SLICE = 200
 
 
