@@ -539,8 +539,8 @@ def _bind_heard_late(m: Model, world: World, pid: int, proc: Proc) -> Step:
     given up (the loader cancelled) and the flight given back, fenced by its token
     (``Owner._lost``), then joined again. Without the give-back a bound flight would stay
     live while the node's session does, and every join would follow it until its backstop.
-    (A refused renewal gives its flight back too; that give-back is fenced, a no-op, and
-    ``_give_up`` leaves it out.)"""
+    (A refused renewal, the flight's or its session's, sends no give-back: it would be
+    fenced, a no-op. ``_give_up`` leaves it out, as the code does.)"""
     t = m.t
     server, _code = scripts.bind_leases(
         world.server, proc.token, _claim(m, proc), proc.epoch, t.lease, t.backstop, m.mutant

@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from flightcache import BackendUnavailable, ConfigError
+from flightcache import BackendUnavailable, ConfigError, EmbeddedServer
 from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
 from flightcache._protocol.heartbeat import Heartbeat, Renewer
+
+from .helpers.monitor import CommandLog
 
 
 async def test_scripts_are_reloaded_after_the_server_forgets_them(
@@ -151,6 +153,41 @@ async def test_lease_lost_cancels_the_loader_at_once(
     await asyncio.wait_for(cancelled.wait(), 2)
     assert await asyncio.wait_for(task, 5) == "second"
     assert fc.stats["lease_lost"] == 1
+
+
+async def test_a_lease_whose_renewal_the_server_refused_is_not_given_back(
+    make_cache: Any, redis_client: aioredis.Redis, server: EmbeddedServer
+) -> None:
+    """A renewal refused (another token holds the flight) gives the lease up, and no
+    give-back follows: the server said the token holds nothing, and ``fail_flight`` asks it
+    the same (docs/protocol.md, "A lease given up is given back"). Counted on the wire with
+    MONITOR: no ``fail_flight`` at all, while the owner's retry completes."""
+    fc = make_cache(lease=0.3)
+    fk = fc.keyspace.flight("q")
+    started = asyncio.Event()
+    runs: list[int] = []
+
+    async def loader() -> str:
+        runs.append(1)
+        started.set()
+        if len(runs) > 1:
+            return "second"
+        await asyncio.sleep(30)
+        return "first"
+
+    log = CommandLog("127.0.0.1", server.port)
+    try:
+        task = asyncio.ensure_future(fc.do("q", loader))
+        await asyncio.wait_for(started.wait(), 5)
+        await redis_client.hset(fk.meta, "ownerToken", "999999999")
+        await redis_client.pexpire(fk.meta, 300)
+        assert await asyncio.wait_for(task, 5) == "second"
+        await asyncio.sleep(0.2)  # let MONITOR catch up
+    finally:
+        log.close()
+    assert fc.stats["lease_lost"] == 1
+    assert log.scripts[LUA["complete_flight"].sha.decode()] == 1, log.scripts  # (it saw)
+    assert log.scripts[LUA["fail_flight"].sha.decode()] == 0, log.scripts
 
 
 async def test_heartbeat_gives_up_when_a_renewal_hangs_past_the_lease() -> None:

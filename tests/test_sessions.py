@@ -12,10 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 import redis.connection
 
+from flightcache import EmbeddedServer
 from flightcache._config import Tuning
 from flightcache._protocol.flight import LUA
 from flightcache._protocol.renewals import KEEP_BATCH
 from flightcache._protocol.session import Session
+
+from .helpers.monitor import CommandLog
 
 
 def _sessions(fc: Any) -> Any:
@@ -148,6 +151,35 @@ async def test_a_bound_flight_whose_session_lapsed_is_fenced_and_taken_over(
     assert fc.stats["lease_lost"] == 1
     assert fc.stats["fenced_writes"] == 0  # (it lost the flight before it had a value)
     assert _sessions(fc).current is None or _sessions(fc).current is not session
+
+
+async def test_the_flights_of_a_session_the_server_refused_are_not_given_back(
+    make_cache: Any, redis_client: aioredis.Redis, server: EmbeddedServer
+) -> None:
+    """A session renewal refused (its key gone: a lapse) ends the epoch and gives its bound
+    flights up; none is given back (``fail_flight``): none of them is this token's on the
+    server any more, so each give-back would be refused in turn. Counted on the wire with
+    MONITOR; the call claims the flight again and completes."""
+    fc = make_cache(lease=0.6, near_cache=False)
+    call, held = await _claimed_bound(fc, "q", "v")
+    session = _sessions(fc).current
+    log = CommandLog("127.0.0.1", server.port)
+    try:
+        await redis_client.delete(session.key)
+        for _ in range(300):  # its next renewal (lease/3) answers 0: bounded at 3 s
+            if session.ended:
+                break
+            await asyncio.sleep(0.01)
+        assert session.ended and session.refused
+        held.release.set()
+        assert await asyncio.wait_for(call, 10) == "v"
+        await asyncio.sleep(0.2)  # let MONITOR catch up
+    finally:
+        log.close()
+    assert held.runs == 2  # given up, then claimed again
+    assert fc.stats["lease_lost"] == 1
+    assert log.scripts[LUA["complete_flight"].sha.decode()] == 1, log.scripts  # (it saw)
+    assert log.scripts[LUA["fail_flight"].sha.decode()] == 0, log.scripts
 
 
 async def test_a_stale_owners_write_is_refused_once_its_session_lapsed(

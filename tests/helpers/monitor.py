@@ -11,7 +11,7 @@ import socket
 import threading
 from collections import Counter
 
-_LINE = re.compile(r'^\+\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"')
+_LINE = re.compile(r'^\+\d+\.\d+ \[\d+ ([^\]]+)\] "([^"]+)"(?: "([^"]+)")?')
 
 
 class CommandLog:
@@ -24,6 +24,7 @@ class CommandLog:
             raise RuntimeError(f"MONITOR refused: {first!r}")
         self._sock.settimeout(None)
         self.commands: Counter[tuple[str, str]] = Counter()  # (client address, COMMAND)
+        self.scripts: Counter[str] = Counter()  # EVALSHA calls by script SHA, any client
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -42,8 +43,11 @@ class CommandLog:
             while True:
                 m = _LINE.match(self._readline().decode("utf-8", "replace"))
                 if m and m.group(1) != "lua":
+                    command = m.group(2).upper()
                     with self._lock:
-                        self.commands[(m.group(1), m.group(2).upper())] += 1
+                        self.commands[(m.group(1), command)] += 1
+                        if command == "EVALSHA" and m.group(3):
+                            self.scripts[m.group(3)] += 1
         except (OSError, EOFError):
             return
 

@@ -51,6 +51,7 @@ class Lease:
         "packed",
         "proven_until",
         "reason",
+        "refused",
         "renewals",
         "since_full",
         "window_s",
@@ -79,6 +80,10 @@ class Lease:
         self.next_due = granted_at + self.interval_s
         self.lost = False
         self.reason = ""
+        # Given up because the server refused its renewal: the token holds nothing there
+        # any more, so there is nothing to give back (docs/protocol.md, "A lease given up
+        # is given back").
+        self.refused = False
         self.alone = False  # renewed in a batch of its own, first (a session)
         self.renewals = 0
         self.on_give_up: Callable[[], None] | None = None  # told first (the loader's context)
@@ -307,6 +312,7 @@ class _Book:
             if id(lease) not in leases:
                 continue  # its loader ended, or it was given up, while the batch was out
             if not ok:
+                lease.refused = True  # (before the give-up is scheduled on the loader's loop)
                 self._give_up(lease, "another owner holds the flight, or the lease lapsed")
                 continue
             lease.renewals += 1

@@ -271,7 +271,7 @@ class Owner:
         except WorkCancelled:
             self._drop(heartbeat, owned)
             if heartbeat.lost:
-                await self._lost(fk, token)
+                await self._lost(fk, token, heartbeat.refused)
                 raise Lost() from None
             error = cancelled_loader_error(fk.digest)
             await self._publish_error(fk, token, error, ttl_ms=0)
@@ -309,18 +309,20 @@ class Owner:
             raise
         self._drop(heartbeat, owned)
         if heartbeat.lost:  # the loader finished as the lease was found lost
-            await self._lost(fk, token)
+            await self._lost(fk, token, heartbeat.refused)
             raise Lost()
         return await self._complete(fk, job, opts, token, encoded, ran_from)
 
-    async def _lost(self, fk: FlightKeys, token: int) -> None:
+    async def _lost(self, fk: FlightKeys, token: int, refused: bool) -> None:
         """The lease was given up here (its loader called off): the flight is given back,
         fenced by its token. A renewal whose answer came too late may have run, binding the
         flight to this node's session, which other flights keep alive: a join would then
         follow it until the backstop, not one lease (docs/protocol.md, "A lease given up is
-        given back")."""
+        given back"). Not when the server ``refused`` the renewal (its own or its
+        session's): the token holds nothing there, and the give-back would be refused too."""
         self.stats.lease_lost += 1
-        await self.give_back(fk, token)
+        if not refused:
+            await self.give_back(fk, token)
 
     def _drop(self, heartbeat: Lease, owned: Owned) -> None:
         """The loader ended, one way or another: its lease needs no more renewals."""

@@ -42,6 +42,7 @@ class Session:
         self.epoch = secrets.token_hex(8)
         self.ready = False  # its start was answered: claims may bind to it
         self.ended = False
+        self.refused = False  # it ended because the server refused its renewal
         self.flights: set[Lease] = set()  # the leases of the flights bound to it
         self._clock = clock
         self.lease: Lease | None = None  # its own entry in the renewer's book
@@ -148,6 +149,7 @@ class Sessions:
         if lease._work.done():
             return  # it ended meanwhile (its writes were fenced by the session)
         if session.ended:
+            lease.refused = session.refused
             lease.give_up("the session lapsed as the flight was bound to it")
             self._renewer.remove(lease)
             return
@@ -159,6 +161,9 @@ class Sessions:
         if session.ended:
             return
         session.ended = True
+        # Refused, the epoch holds nothing on the server any more, and none of its flights:
+        # their give-backs would be refused in turn (the same `owns`), so none is sent.
+        session.refused = session.lease is not None and session.lease.refused
         if self.current is session:
             self.current = None
         if session.lease is not None:
@@ -168,6 +173,7 @@ class Sessions:
                 work.cancel()
         flights, session.flights = session.flights, set()
         for lease in flights:
+            lease.refused = session.refused
             lease.give_up(f"the session lapsed ({reason})")  # (its loader told first)
             self._renewer.remove(lease)
         if flights:
