@@ -125,11 +125,12 @@ async def test_heartbeat_keeps_renewing_while_the_work_runs_and_stops_with_it() 
     assert len(renewals) == count  # nothing after the work ended
 
 
-async def test_lease_lost_cancels_the_loader_at_once(
-    make_cache: Any, redis_client: aioredis.Redis
-) -> None:
-    """A renewal that finds another token cancels the running loader (the suicide rule)."""
-    fc = make_cache(lease=0.3)
+async def _taken_over(
+    fc: Any, redis_client: aioredis.Redis
+) -> tuple[asyncio.Future[Any], asyncio.Event]:
+    """``fc.do("q")`` whose first run waits, once another token holds its flight (for 0.3 s,
+    then it lapses); its second run returns "second". The call, and an event set when the
+    first run is cancelled."""
     fk = fc.keyspace.flight("q")
     cancelled, started = asyncio.Event(), asyncio.Event()
     runs: list[int] = []
@@ -150,6 +151,15 @@ async def test_lease_lost_cancels_the_loader_at_once(
     await asyncio.wait_for(started.wait(), 5)
     await redis_client.hset(fk.meta, "ownerToken", "999999999")
     await redis_client.pexpire(fk.meta, 300)
+    return task, cancelled
+
+
+async def test_lease_lost_cancels_the_loader_at_once(
+    make_cache: Any, redis_client: aioredis.Redis
+) -> None:
+    """A renewal that finds another token cancels the running loader (the suicide rule)."""
+    fc = make_cache(lease=0.3)
+    task, cancelled = await _taken_over(fc, redis_client)
     await asyncio.wait_for(cancelled.wait(), 2)
     assert await asyncio.wait_for(task, 5) == "second"
     assert fc.stats["lease_lost"] == 1
@@ -163,24 +173,9 @@ async def test_a_lease_whose_renewal_the_server_refused_is_not_given_back(
     the same (docs/protocol.md, "A lease given up is given back"). Counted on the wire with
     MONITOR: no ``fail_flight`` at all, while the owner's retry completes."""
     fc = make_cache(lease=0.3)
-    fk = fc.keyspace.flight("q")
-    started = asyncio.Event()
-    runs: list[int] = []
-
-    async def loader() -> str:
-        runs.append(1)
-        started.set()
-        if len(runs) > 1:
-            return "second"
-        await asyncio.sleep(30)
-        return "first"
-
     log = CommandLog("127.0.0.1", server.port)
     try:
-        task = asyncio.ensure_future(fc.do("q", loader))
-        await asyncio.wait_for(started.wait(), 5)
-        await redis_client.hset(fk.meta, "ownerToken", "999999999")
-        await redis_client.pexpire(fk.meta, 300)
+        task, _cancelled = await _taken_over(fc, redis_client)
         assert await asyncio.wait_for(task, 5) == "second"
         await asyncio.sleep(0.2)  # let MONITOR catch up
     finally:
