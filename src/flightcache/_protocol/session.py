@@ -42,10 +42,16 @@ class Session:
         self.epoch = secrets.token_hex(8)
         self.ready = False  # its start was answered: claims may bind to it
         self.ended = False
-        self.refused = False  # it ended because the server refused its renewal
         self.flights: set[Lease] = set()  # the leases of the flights bound to it
         self._clock = clock
         self.lease: Lease | None = None  # its own entry in the renewer's book
+
+    @property
+    def refused(self) -> bool:
+        """Whether the server refused its renewal: the epoch then holds nothing there any
+        more, and none of its flights, so their give-backs would be refused in turn (the
+        same ``owns``) and none is sent."""
+        return self.lease is not None and self.lease.refused
 
     def usable(self) -> bool:
         """Whether a claim sent now may bind to it: started, and proven for a while yet."""
@@ -161,9 +167,6 @@ class Sessions:
         if session.ended:
             return
         session.ended = True
-        # Refused, the epoch holds nothing on the server any more, and none of its flights:
-        # their give-backs would be refused in turn (the same `owns`), so none is sent.
-        session.refused = session.lease is not None and session.lease.refused
         if self.current is session:
             self.current = None
         if session.lease is not None:
