@@ -19,24 +19,32 @@ from redis import exceptions as rexc
 
 from .scripts import Script, pack_command
 
-Call = tuple[Script, Sequence[Any], Sequence[Any]]  # script, keys (str; or a Bulk), args
+Call = tuple[Script, Any, Any]  # script, keys (a sequence of str; or a Bulk), args
 Load = Callable[[Script], Awaitable[Any]]
 
 STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
 
 
-class Bulk(list[bytes]):
-    """Arguments already in RESP, one bulk string each: what goes out again and again (a
-    lease's keys and arguments, renewed every lease/3 while its loader runs) is packed once.
-    A call's keys and args are both ``Bulk`` or neither."""
+class Bulk:
+    """Arguments already in RESP: ``parts``, each the bulk strings of one or more values
+    joined (as ``pack_command`` writes each, without the array header), ``count`` values in
+    all. What goes out again and again (a lease's keys and arguments, renewed every lease/3
+    while its loader runs) is packed once, into bytes: the cyclic GC does not track bytes,
+    so ten thousand leases' packings are not ten thousand lists it walks (docs/operations.md,
+    "the cyclic GC"). A call's keys and args are both ``Bulk`` or neither."""
+
+    __slots__ = ("count", "parts")
+
+    def __init__(self, parts: list[bytes], count: int) -> None:
+        self.parts = parts
+        self.count = count
 
 
-def bulk(*values: str | bytes | int) -> list[bytes]:
-    """``values`` as RESP bulk strings, for a :class:`Bulk` (each as ``pack_command``
-    writes it, without the array header). Written out here, not through ``pack_command``:
-    a renewal tick packs thousands of flights' keys at once (a bound flight is renewed
-    once or twice in its life, so its packing is rarely reused) while the loop waits for
-    the GIL."""
+def bulk(*values: str | bytes | int) -> bytes:
+    """``values`` as RESP bulk strings, joined, for a :class:`Bulk`. Written out here, not
+    through ``pack_command``: a renewal tick packs thousands of flights' keys at once (a
+    bound flight is renewed once or twice in its life, so its packing is rarely reused)
+    while the loop waits for the GIL."""
     out = []
     for value in values:
         if isinstance(value, bytes):
@@ -46,7 +54,7 @@ def bulk(*values: str | bytes | int) -> list[bytes]:
         else:
             data = b"%d" % value
         out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return out
+    return b"".join(out)
 
 
 def pack_calls(calls: Sequence[Call]) -> bytes:
@@ -59,12 +67,15 @@ def pack_calls(calls: Sequence[Call]) -> bytes:
         head = heads.get(lua.sha)
         if head is None:  # the two bulk strings EVALSHA <sha>, without "*2"
             head = heads[lua.sha] = pack_command(b"EVALSHA", lua.sha)[4:]
+        if type(keys) is Bulk:
+            count = b"%d" % keys.count
+            size = 3 + keys.count + args.count
+            out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (size, head, len(count), count))
+            out += keys.parts
+            out += args.parts
+            continue
         count = b"%d" % len(keys)
         out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
-        if type(keys) is Bulk:
-            out += keys
-            out += args
-            continue
         for arg in (*keys, *args):
             kind = type(arg)
             if kind is str or kind is bytes or kind is int:  # not bool: True == 1 as a key

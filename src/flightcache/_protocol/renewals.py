@@ -26,7 +26,7 @@ from .pipelined import script_batches
 from .session import Session, Sessions
 from .state import LUA
 
-_ZERO = bulk(0)[0]
+_ZERO = bulk(0)
 BOUND, RENEWED = 2, 1  # bind_leases' answers (0: the token no longer holds)
 # Bound flights' own keys are renewed in scripts of at most this many: their renewals keep
 # keys, not liveness, and come in waves (the flights claimed together fall due together);
@@ -90,9 +90,9 @@ class Renewals:
         sends one round trip per node."""
         size = self.tuning.renew_batch if size is None else size
         for batch in script_batches(leases, lambda lease: lease.args.fk.meta, cluster, size):
-            keys: list[Any] = []
-            args: list[Any] = []
             if cluster:  # (redis-py's cluster pipeline packs them)
+                keys: list[Any] = []
+                args: list[Any] = []
                 for lease in batch:
                     o: Owned = lease.args
                     keys += (o.fk.meta, o.fk.stream, o.fk.waiters)
@@ -100,22 +100,23 @@ class Renewals:
                 yield batch, (keys, args)
                 continue
             # Packed once per lease, not once per renewal: ten thousand leases are ten
-            # thousand renewals a lease/3, and the thread building them holds the GIL.
+            # thousand renewals a lease/3, and the thread building them holds the GIL. Kept
+            # as bytes, which the cyclic GC does not track (Bulk).
+            parts_keys: list[bytes] = []
+            parts_args: list[bytes] = []
             for lease in batch:
                 packed = lease.packed
                 if packed is None:
                     o = lease.args
-                    full = bulk(o.token, o.lease_ms, o.stream_ttl, o.claim)
-                    short = [*full]
-                    short[2] = _ZERO  # a short renewal: the lease only
+                    head, tail = bulk(o.token, o.lease_ms), bulk(o.claim)
                     packed = lease.packed = (
                         bulk(o.fk.meta, o.fk.stream, o.fk.waiters),
-                        full,
-                        short,
+                        head + bulk(o.stream_ttl) + tail,
+                        head + _ZERO + tail,  # a short renewal: the lease only
                     )
-                keys += packed[0]
-                args += packed[1] if lease.take_full() else packed[2]
-            yield batch, (Bulk(keys), Bulk(args))
+                parts_keys.append(packed[0])
+                parts_args.append(packed[1] if lease.take_full() else packed[2])
+            yield batch, (Bulk(parts_keys, 3 * len(batch)), Bulk(parts_args, 4 * len(batch)))
 
     def on_thread(
         self, leases: Sequence[Lease], patience: Callable[[], float | None]
