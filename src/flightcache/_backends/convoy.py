@@ -19,7 +19,6 @@ from redis import exceptions as rexc
 
 from .scripts import Script, pack_command
 
-Call = tuple[Script, Any, Any]  # script, keys (a sequence of str; or a Bulk), args
 Load = Callable[[Script], Awaitable[Any]]
 
 STALE_S = 0.5  # a connection that fails this fast was dead before the command was sent
@@ -38,6 +37,10 @@ class Bulk:
     def __init__(self, parts: list[bytes], count: int) -> None:
         self.parts = parts
         self.count = count
+
+
+# script, keys, args: keys a sequence of str (args of str, bytes or int), or both a Bulk
+Call = tuple[Script, Sequence[Any] | Bulk, Sequence[Any] | Bulk]
 
 
 def bulk(*values: str | bytes | int) -> bytes:
@@ -67,13 +70,15 @@ def pack_calls(calls: Sequence[Call]) -> bytes:
         head = heads.get(lua.sha)
         if head is None:  # the two bulk strings EVALSHA <sha>, without "*2"
             head = heads[lua.sha] = pack_command(b"EVALSHA", lua.sha)[4:]
-        if type(keys) is Bulk:
+        if isinstance(keys, Bulk):
+            assert isinstance(args, Bulk)
             count = b"%d" % keys.count
             size = 3 + keys.count + args.count
             out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (size, head, len(count), count))
             out += keys.parts
             out += args.parts
             continue
+        assert not isinstance(args, Bulk)
         count = b"%d" % len(keys)
         out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
         for arg in (*keys, *args):
