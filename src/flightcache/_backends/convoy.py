@@ -70,17 +70,16 @@ def pack_calls(calls: Sequence[Call]) -> bytes:
         head = heads.get(lua.sha)
         if head is None:  # the two bulk strings EVALSHA <sha>, without "*2"
             head = heads[lua.sha] = pack_command(b"EVALSHA", lua.sha)[4:]
+        nkeys = keys.count if isinstance(keys, Bulk) else len(keys)
+        nargs = args.count if isinstance(args, Bulk) else len(args)
+        count = b"%d" % nkeys
+        out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + nkeys + nargs, head, len(count), count))
         if isinstance(keys, Bulk):
             assert isinstance(args, Bulk)
-            count = b"%d" % keys.count
-            size = 3 + keys.count + args.count
-            out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (size, head, len(count), count))
             out += keys.parts
             out += args.parts
             continue
         assert not isinstance(args, Bulk)
-        count = b"%d" % len(keys)
-        out.append(b"*%d\r\n%b$%d\r\n%b\r\n" % (3 + len(keys) + len(args), head, len(count), count))
         for arg in (*keys, *args):
             kind = type(arg)
             if kind is str or kind is bytes or kind is int:  # not bool: True == 1 as a key
